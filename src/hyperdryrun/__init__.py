@@ -1,0 +1,9 @@
+"""HyperDryRun: how much accelerator memory each rank of a distributed training job needs, before you have it."""
+
+__version__ = "0.1.0"
+
+from hyperdryrun.engine import SimulationError, StepTrace, simulate  # noqa: E402
+from hyperdryrun.trace.blocks import Block, Category, Phase  # noqa: E402
+from hyperdryrun.world import SimulatedWorld  # noqa: E402
+
+__all__ = ["Block", "Category", "Phase", "SimulatedWorld", "SimulationError", "StepTrace", "simulate", "__version__"]

@@ -1,0 +1,215 @@
+"""The validated job description: the one place where defaults live.
+
+Every consumer (CLI, YAML file, Python API) builds a :class:`JobConfig`; a bad value raises
+:class:`ConfigError` whose message is one line naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hyperdryrun.models.llama import PRESETS, LlamaArgs
+
+Dtype = Literal["bf16", "fp32"]
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """A preset plus optional overrides of every shape field."""
+
+    name: str = "llama3-8b"
+    dim: int | None = Field(None, gt=0)
+    n_layers: int | None = Field(None, gt=0)
+    n_heads: int | None = Field(None, gt=0)
+    n_kv_heads: int | None = Field(None, gt=0)
+    ffn_dim: int | None = Field(None, gt=0)
+    vocab_size: int | None = Field(None, gt=0)
+    norm_eps: float | None = Field(None, gt=0)
+    rope_theta: float | None = Field(None, gt=0)
+    tie_embeddings: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        if v not in PRESETS:
+            raise ValueError(f"unknown model {v!r}; choose one of {', '.join(sorted(PRESETS))}")
+        return v
+
+    def args(self) -> LlamaArgs:
+        overrides = {k: v for k, v in self.model_dump(exclude={"name"}).items() if v is not None}
+        return PRESETS[self.name].replace(**overrides)
+
+
+class ParallelConfig(_Strict):
+    """Parallel degrees (torchtitan's ParallelDims). ``dp_shard=None`` takes what the world leaves."""
+
+    dp_replicate: int = Field(1, gt=0)
+    dp_shard: int | None = Field(None, gt=0)
+    tp: int = Field(1, gt=0)
+    cp: int = Field(1, gt=0)
+    pp: int = Field(1, gt=0)
+    ep: int = Field(1, gt=0)
+    etp: int = Field(1, gt=0)
+    reshard_after_forward: bool = True
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+
+
+class TrainingConfig(_Strict):
+    dtype: Dtype = "fp32"
+    """Dtype of the stored (master) parameters, their gradients and optimizer states."""
+    param_dtype: Dtype | None = "bf16"
+    """FSDP2 MixedPrecisionPolicy.param_dtype: the dtype of the unsharded parameters used in compute."""
+    reduce_dtype: Dtype | None = "fp32"
+    """FSDP2 MixedPrecisionPolicy.reduce_dtype: the dtype of gradient reduce-scatter."""
+    seq_len: int = Field(2048, gt=0)
+    micro_batch_size: int = Field(1, gt=0)
+    num_micro_batches: int = Field(1, gt=0)
+    """Gradient accumulation: micro batches per optimizer step."""
+    ac: Literal["none", "full", "selective"] = "none"
+    ac_selective: str = "op"
+    """``op`` (save matmul and attention outputs, recompute the rest) or ``k`` (checkpoint every k-th layer)."""
+    optimizer: Literal["AdamW", "Adam", "SGD"] = "AdamW"
+    optimizer_impl: Literal["foreach", "fused", "for-loop"] = "foreach"
+    lr: float = Field(3e-4, gt=0)
+    momentum: float = Field(0.9, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+
+    @field_validator("ac_selective")
+    @classmethod
+    def _ac_option(cls, v: str) -> str:
+        if v != "op" and not (v.isdigit() and int(v) > 0):
+            raise ValueError(f"must be 'op' or a positive layer interval, got {v!r}")
+        return v
+
+
+class RankConfig(_Strict):
+    world_size: int = Field(1, ge=1)
+    rank: int = Field(0, ge=0)
+    local_rank: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> RankConfig:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
+        return self
+
+
+class JobConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    training: TrainingConfig = TrainingConfig()
+    world: RankConfig = RankConfig()
+    target_device: Literal["cuda", "cpu"] = "cuda"
+    device_memory_gib: float | None = Field(None, gt=0)
+    output_dir: str = "hyperdryrun_out"
+    live_set_limit: int = Field(50, gt=0)
+
+    @model_validator(mode="after")
+    def _layout(self) -> JobConfig:
+        p, w, m = self.parallel, self.world, self.model.args()
+        for name in ("cp", "pp", "ep", "etp"):
+            if getattr(p, name) > 1:
+                raise ValueError(f"parallel.{name}={getattr(p, name)} is not supported yet (dense FSDP/TP only)")
+        others = p.dp_replicate * p.cp * p.tp * p.pp
+        if p.dp_shard is None:
+            if w.world_size % others:
+                raise ValueError(
+                    f"world.world_size={w.world_size} is not divisible by dp_replicate*cp*tp*pp={others}"
+                )
+            object.__setattr__(p, "dp_shard", w.world_size // others)
+        product = others * p.dp_shard
+        if product != w.world_size:
+            raise ValueError(
+                f"world.world_size={w.world_size} != dp_replicate*dp_shard*cp*tp*pp = "
+                f"{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp}*{p.pp} = {product}"
+            )
+        if m.dim % m.n_heads:
+            raise ValueError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+        if m.n_heads % m.n_kv_heads:
+            raise ValueError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
+        for field in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+            if getattr(m, field) % p.tp:
+                raise ValueError(f"model.{field}={getattr(m, field)} is not divisible by parallel.tp={p.tp}")
+        if p.tp > 1 and p.sequence_parallel and self.training.seq_len % p.tp:
+            raise ValueError(
+                f"training.seq_len={self.training.seq_len} is not divisible by parallel.tp={p.tp} "
+                "(sequence parallel shards the sequence)"
+            )
+        if self.training.ac == "selective" and self.training.ac_selective != "op":
+            if int(self.training.ac_selective) > m.n_layers:
+                raise ValueError(
+                    f"training.ac_selective={self.training.ac_selective} exceeds model.n_layers={m.n_layers}"
+                )
+        return self
+
+    @property
+    def local_rank(self) -> int:
+        return self.world.rank if self.world.local_rank is None else self.world.local_rank
+
+
+def _format_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(x) for x in e["loc"])
+    msg = e["msg"].removeprefix("Value error, ")
+    if "input" in e and not isinstance(e["input"], dict) and e["type"] not in ("value_error",):
+        return f"{loc}: {msg} (got {e['input']!r})" if loc else msg
+    return f"{loc}: {msg}" if loc else msg
+
+
+def build_config(data: dict[str, Any]) -> JobConfig:
+    """Validate a nested dict into a JobConfig, turning pydantic's report into one line."""
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise ConfigError(f"--config: cannot read {str(p)!r}: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config: {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {str(p)!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def rank_from_env(environ: dict[str, str] | None = None) -> dict[str, int]:
+    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK, each validated with a one-line error."""
+    env = os.environ if environ is None else environ
+    out: dict[str, int] = {}
+    for var, key in (("WORLD_SIZE", "world_size"), ("RANK", "rank"), ("LOCAL_RANK", "local_rank")):
+        if var not in env:
+            continue
+        raw = env[var]
+        try:
+            out[key] = int(raw)
+        except ValueError:
+            raise ConfigError(f"{var}={raw!r} is not an integer") from None
+    if out.get("world_size", 1) < 1:
+        raise ConfigError(f"WORLD_SIZE={out['world_size']} must be >= 1")
+    if "rank" in out and not 0 <= out["rank"] < out.get("world_size", 1):
+        raise ConfigError(f"RANK={out['rank']} must satisfy 0 <= RANK < WORLD_SIZE={out.get('world_size', 1)}")
+    if out.get("local_rank", 0) < 0:
+        raise ConfigError(f"LOCAL_RANK={out['local_rank']} must be >= 0")
+    return out

@@ -1,0 +1,209 @@
+"""Run one training step in the simulated world and capture its memory trace.
+
+``simulate`` is the bring-your-own-model API; ``run_job`` is the built-in Llama recipe on top of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyperdryrun.trace.blocks import Block, Category, Phase
+from hyperdryrun.trace.stacks import StackTable
+from hyperdryrun.trace.tracker import MemoryTracker, ModuleStats, local_tensor
+from hyperdryrun.world import SimulatedWorld
+
+ModelFn = Callable[[], nn.Module]
+ParallelizeFn = Callable[[nn.Module, Any], nn.Module | None]
+OptimizerFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+BatchFn = Callable[[int, torch.device], Any]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+StepFn = Callable[[nn.Module, torch.optim.Optimizer, Iterator[Any]], None]
+
+
+class SimulationError(RuntimeError):
+    """A failure inside the simulation, with the stage it happened in."""
+
+    def __init__(self, stage: str, error: BaseException) -> None:
+        super().__init__(f"{stage}: {type(error).__name__}: {error}")
+        self.stage, self.error = stage, error
+
+
+@dataclass
+class StepTrace:
+    """Everything the reports need, as plain data (no reference into the tracing machinery)."""
+
+    blocks: list[Block]
+    num_tasks: int
+    task_phase: list[Phase]
+    task_op: list[str]
+    peak: int
+    peak_task: int
+    current: int
+    phase_peak: dict[Phase, int]
+    modules: dict[str, ModuleStats]
+    stacks: StackTable
+    initial: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    limitations: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW with the foreach implementation, torch's default on CUDA."""
+    return torch.optim.AdamW(params, lr=3e-4, foreach=True)
+
+
+def micro_batch_step(
+    loss_fn: LossFn, num_micro_batches: int, context: Callable[[], Any] = contextlib.nullcontext
+) -> StepFn:
+    """The usual step: forward + backward per micro batch (loss / n), then optimizer step and zero_grad."""
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[Any]) -> None:
+        for batch in batches:
+            with context():
+                loss = loss_fn(model, batch) / num_micro_batches
+                loss.backward()
+            del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _materialize_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Steady state: real training reaches step 2 with optimizer states allocated. One optimizer step on zero
+    gradients, before tracking, creates them lazily as torch would; the gradients are then dropped."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def simulate(
+    model_fn: ModelFn,
+    batch_fn: BatchFn,
+    *,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    parallelize_fn: ParallelizeFn | None = None,
+    optimizer_fn: OptimizerFn | None = None,
+    world_size: int = 1,
+    rank: int = 0,
+    local_rank: int | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
+    target_device: str = "cuda",
+    num_micro_batches: int = 1,
+    capture_stacks: bool = True,
+    metadata: dict[str, Any] | None = None,
+) -> StepTrace:
+    """Dry-run one training step of your own model as rank ``rank`` of ``world_size``.
+
+    ``model_fn()`` builds the model (called under ``torch.device("meta")``: no memory is used);
+    ``parallelize_fn(model, mesh)`` applies your parallelisms on meta, exactly as in your training script;
+    ``optimizer_fn(params)`` builds the optimizer; ``batch_fn(i, device)`` makes micro batch ``i``;
+    ``loss_fn(model, batch)`` returns the loss, or ``step_fn(model, optimizer, batches)`` runs the whole step.
+    """
+    if (loss_fn is None) == (step_fn is None):
+        raise ValueError("give exactly one of loss_fn or step_fn")
+    if num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1")
+    step_fn = step_fn or micro_batch_step(loss_fn, num_micro_batches)
+    optimizer_fn = optimizer_fn or default_optimizer
+    timings: dict[str, float] = {}
+    stage = "world"
+    t0 = time.perf_counter()
+    world = SimulatedWorld(world_size, rank, local_rank, mesh_shape, mesh_dim_names, target_device)
+    try:
+        with world:
+            stage = "model"
+            with torch.device("meta"):
+                model = model_fn()
+            stage = "parallelize"
+            if parallelize_fn is not None:
+                model = parallelize_fn(model, world.mesh) or model
+            with world.fake():
+                stage = "materialize"
+                model.to_empty(device=world.device)
+                stage = "optimizer"
+                optimizer = optimizer_fn([p for p in model.parameters() if p.requires_grad])
+                _materialize_optimizer_state(model, optimizer)
+                timings["setup"] = time.perf_counter() - t0
+                stage = "step"
+                tracker = world.track(capture_stacks=capture_stacks)
+                _seed(tracker, model, optimizer)
+                initial = tracker.current
+                device = torch.device(world.device)
+
+                def batches() -> Iterator[Any]:
+                    for i in range(num_micro_batches):
+                        tracker.micro_batch = i
+                        with tracker.labelled(Category.OTHER):
+                            batch = batch_fn(i, device)
+                        yield batch
+                        del batch
+
+                t1 = time.perf_counter()
+                tracker.start(root=model)
+                try:
+                    step_fn(model, optimizer, batches())
+                finally:
+                    tracker.stop()
+                timings["step"] = time.perf_counter() - t1
+                for p in model.parameters():
+                    if p.grad is not None:
+                        tracker.mark(p.grad, Category.GRADIENT)
+                stage = "trace"
+                blocks = tracker.finalize()
+                trace = StepTrace(
+                    blocks=blocks,
+                    num_tasks=tracker.num_tasks,
+                    task_phase=tracker.task_phase,
+                    task_op=tracker.task_op,
+                    peak=tracker.peak,
+                    peak_task=tracker.peak_task,
+                    current=tracker.current,
+                    phase_peak=dict(tracker.phase_peak),
+                    modules=tracker.modules,
+                    stacks=tracker.stacks,
+                    initial=initial,
+                    metadata={
+                        "world_size": world_size,
+                        "rank": rank,
+                        "local_rank": world.local_rank,
+                        "target_device": target_device,
+                        "simulation_device": world.device,
+                        "mesh_shape": list(world.mesh_shape),
+                        "mesh_dim_names": list(world.mesh_dim_names),
+                        "num_micro_batches": num_micro_batches,
+                        "optimizer": type(optimizer).__name__,
+                        **(metadata or {}),
+                    },
+                    limitations=world.limitations,
+                    timings=timings,
+                )
+                del model, optimizer
+    except SimulationError:
+        raise
+    except Exception as err:
+        raise SimulationError(stage, err) from err
+    return trace
+
+
+def _seed(tracker: MemoryTracker, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Blocks for what exists before the step: parameters, buffers, leftover grads, optimizer states."""
+    for p in model.parameters():
+        tracker.seed(p, Category.PARAMETER)
+        if p.grad is not None:
+            tracker.seed(local_tensor(p.grad), Category.GRADIENT)
+    for b in model.buffers():
+        tracker.seed(b, Category.BUFFER)
+    tracker.mark_optimizer_state(optimizer, seed=True)

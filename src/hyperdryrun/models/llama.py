@@ -1,0 +1,173 @@
+"""A Llama-style dense decoder in plain torch, free of any parallelism code.
+
+Shaped after torchtitan's ``models/llama3/model.py`` so that the torch-native parallel plans (FSDP2, TP with
+sequence parallel, loss parallel) apply from outside: attention infers its local head count from the projection
+output, so a column-sharded ``wq`` simply yields fewer heads on each rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """Shape of a Llama-style decoder. ``ffn_dim`` is the SwiGLU hidden width."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        """Parameter count derived from the shapes alone (independent of any module)."""
+        kv = self.n_kv_heads * self.head_dim
+        per_layer = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        embed = self.vocab_size * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.n_layers * per_layer + self.dim + embed + head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def replace(self, **changes) -> LlamaArgs:
+        return replace(self, **changes)
+
+
+# Published shapes (Meta's Llama 3 / 3.1 model cards); the small ones exist for tests and CPU ground truth.
+PRESETS: dict[str, LlamaArgs] = {
+    "llama3-8b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
+    "llama3-70b": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
+    "llama3-405b": LlamaArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256
+    ),
+    "llama-debug": LlamaArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=512, vocab_size=1024),
+    "llama-tiny": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementation, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """cos/sin table of shape (max_seq_len, head_dim), real-valued (no complex dtypes)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    t = torch.arange(max_seq_len).float()
+    angles = torch.outer(t, freqs)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x1, x2) of the last dim; ``x`` is (bs, seq, heads, head_dim)."""
+    seq, half = x.shape[1], x.shape[-1] // 2
+    cos = cache[:seq, :half].view(1, seq, 1, half)
+    sin = cache[:seq, half:].view(1, seq, 1, half)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.n_kv_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        # -1: the local head count, which tensor parallelism divides.
+        q = self.wq(x).view(bs, seq, -1, self.head_dim)
+        k = self.wk(x).view(bs, seq, -1, self.head_dim)
+        v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+        out = out.transpose(1, 2).contiguous().view(bs, seq, -1)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: tokens (bs, seq) -> logits (bs, seq, vocab)."""
+
+    def __init__(self, args: LlamaArgs, max_seq_len: int) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.register_buffer("rope_cache", rope_cache(args.head_dim, max_seq_len, args.rope_theta), persistent=False)
+        # A ModuleDict keyed by layer index, as torchtitan does, so that FQNs stay stable under splitting.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cache)
+        return self.output(self.norm(h))
+
+    def init_weights(self) -> None:
+        """Real initialisation (used only by real execution; a dry run needs no values)."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=1.0 / math.sqrt(self.args.dim))
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Token cross entropy in fp32, as torchtitan computes it."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))

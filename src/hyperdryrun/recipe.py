@@ -1,0 +1,109 @@
+"""The built-in recipe: a Llama-style decoder trained with torch-native FSDP2/HSDP and TP."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from hyperdryrun import __version__
+from hyperdryrun.config import JobConfig
+from hyperdryrun.engine import StepTrace, micro_batch_step, simulate
+from hyperdryrun.models.llama import Transformer, cross_entropy_loss
+from hyperdryrun.parallel import (
+    DTYPES,
+    MESH_DIMS,
+    ParallelDims,
+    build_optimizer,
+    fsdp_enabled,
+    parallelize_llama,
+)
+
+
+def model_fn(cfg: JobConfig):
+    args = cfg.model.args()
+
+    def build() -> Transformer:
+        model = Transformer(args, max_seq_len=cfg.training.seq_len)
+        return model.to(DTYPES[cfg.training.dtype])
+
+    return build
+
+
+def batch_fn(cfg: JobConfig):
+    t, vocab = cfg.training, cfg.model.args().vocab_size
+
+    def make(i: int, device: torch.device):
+        shape = (t.micro_batch_size, t.seq_len)
+        return torch.randint(0, vocab, shape, device=device), torch.randint(0, vocab, shape, device=device)
+
+    return make
+
+
+def llama_loss(model, batch) -> torch.Tensor:
+    tokens, labels = batch
+    return cross_entropy_loss(model(tokens), labels)
+
+
+def loss_context(cfg: JobConfig):
+    if cfg.parallel.tp > 1 and cfg.parallel.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel
+    return contextlib.nullcontext
+
+
+def job_metadata(cfg: JobConfig) -> dict:
+    t, args = cfg.training, cfg.model.args()
+    dims = ParallelDims.from_config(cfg)
+    tokens = t.micro_batch_size * t.seq_len
+    return {
+        "mode": "dry-run",
+        "model": cfg.model.name,
+        "model_args": args.to_dict(),
+        "num_params": args.num_params(),
+        "hyperdryrun_version": __version__,
+        "torch_version": torch.__version__,
+        "dtype": t.dtype,
+        "mixed_precision": {"param_dtype": t.param_dtype, "reduce_dtype": t.reduce_dtype}
+        if fsdp_enabled(cfg)
+        else None,
+        "parallel": {**dims.as_dict(), "ep": cfg.parallel.ep, "etp": cfg.parallel.etp},
+        "fsdp": fsdp_enabled(cfg),
+        "reshard_after_forward": cfg.parallel.reshard_after_forward,
+        "sequence_parallel": cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
+        "loss_parallel": cfg.parallel.loss_parallel and cfg.parallel.tp > 1,
+        "batch_shapes": {"tokens": [t.micro_batch_size, t.seq_len], "labels": [t.micro_batch_size, t.seq_len]},
+        "tokens_per_micro_batch": tokens,
+        "tokens_per_step": tokens * t.num_micro_batches,
+        "seq_len": t.seq_len,
+        "micro_batch_size": t.micro_batch_size,
+        "activation_checkpointing": {"mode": t.ac, "selective": t.ac_selective if t.ac == "selective" else None},
+        "optimizer_config": {"name": t.optimizer, "implementation": t.optimizer_impl},
+    }
+
+
+def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
+    """Dry-run the built-in recipe for the rank that ``cfg`` names."""
+    dims = ParallelDims.from_config(cfg)
+    limitations = []
+    if not fsdp_enabled(cfg) and cfg.training.param_dtype not in (None, cfg.training.dtype):
+        limitations.append("mixed precision needs FSDP2 in this recipe; parameters were used in training.dtype")
+    trace = simulate(
+        model_fn(cfg),
+        batch_fn(cfg),
+        step_fn=micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg)),
+        parallelize_fn=lambda model, mesh: parallelize_llama(model, mesh, cfg),
+        optimizer_fn=lambda params: build_optimizer(params, cfg),
+        world_size=cfg.world.world_size,
+        rank=cfg.world.rank,
+        local_rank=cfg.local_rank,
+        mesh_shape=dims.mesh_shape,
+        mesh_dim_names=MESH_DIMS,
+        target_device=cfg.target_device,
+        num_micro_batches=cfg.training.num_micro_batches,
+        capture_stacks=capture_stacks,
+        metadata=job_metadata(cfg),
+    )
+    trace.limitations.extend(limitations)
+    return trace

@@ -1,0 +1,111 @@
+"""Memory blocks: the one data structure every report, comparison and later stage reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+PERSISTENT_END = 2**63 - 1
+"""``end`` of a block still alive after the step."""
+ADDRESS_BASE = 0xF00000000000
+ALIGNMENT = 512
+SMALL_BLOCK = 1 << 20
+
+
+class Category(str, Enum):
+    """What a block holds. Order is the precedence when several roles are observed for one storage."""
+
+    PARAMETER = "Parameter"
+    BUFFER = "Buffer"
+    GRADIENT = "Gradient"
+    OPTSTATE = "Optstate"
+    ACTIVATION = "Activation"
+    TEMP = "Temp"
+    OTHER = "Other"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+CATEGORY_ORDER = list(Category)
+_RANK = {c: i for i, c in enumerate(CATEGORY_ORDER)}
+
+
+def stronger(a: Category | None, b: Category) -> Category:
+    """The category that wins when one storage is seen in two roles (e.g. a parameter also read as input)."""
+    return b if a is None or _RANK[b] < _RANK[a] else a
+
+
+class Phase(str, Enum):
+    INITIALIZATION = "initialization"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"
+    OPTIMIZER = "optimizer"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STEP_PHASES = [Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE, Phase.OPTIMIZER]
+
+
+@dataclass(slots=True)
+class Block:
+    """One allocation: a storage's bytes over the task interval ``[start, end)``."""
+
+    id: int
+    size: int
+    """Bytes as the target device's allocator hands them out (512-rounded on CUDA)."""
+    requested: int
+    """Bytes the storage asked for."""
+    start: int
+    op: str
+    phase: Phase
+    module: str
+    stack_id: int
+    addr: int = 0
+    end: int = PERSISTENT_END
+    category: Category | None = None
+    users: list[int] = field(default_factory=list)
+    used_after_alloc: int = 0
+    """Live bytes right after this block was allocated."""
+    peak_after_alloc: int = 0
+    """Running peak right after this block was allocated."""
+    micro_batch: int = 0
+    start_plot: float = 0.0
+    end_plot: float = float(PERSISTENT_END)
+
+    @property
+    def persistent(self) -> bool:
+        return self.end == PERSISTENT_END
+
+    @property
+    def small(self) -> bool:
+        return self.size < SMALL_BLOCK
+
+    def alive_at(self, task: int) -> bool:
+        return self.start <= task < self.end
+
+
+def round_size(nbytes: int, alignment: int) -> int:
+    """Round ``nbytes`` up to ``alignment``; zero stays zero (the CUDA allocator hands out nothing)."""
+    if alignment <= 1:
+        return nbytes
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
+def live_bytes_by_task(blocks: list[Block], num_tasks: int) -> list[int]:
+    """Live bytes at each task reconstructed from block lifetimes alone (a sweep, independent of the tracker)."""
+    delta = [0] * (num_tasks + 1)
+    for b in blocks:
+        if b.start > num_tasks:
+            continue
+        delta[b.start] += b.size
+        if b.end <= num_tasks:
+            delta[b.end] -= b.size
+    live, cur = [], 0
+    for t in range(num_tasks):
+        cur += delta[t]
+        live.append(cur)
+    return live

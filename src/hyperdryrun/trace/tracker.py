@@ -1,0 +1,529 @@
+"""The memory tracker: the only code that sees the dispatcher.
+
+It observes every op that reaches the fake tensor mode (so DTensor's local ops and collectives are seen, not only
+the DTensor-level op), opens a block for every new storage, closes it when the storage dies (a weakref callback) or
+is resized, and keeps the running live bytes and peak. Per-op work is O(tensors of the op): module-local peaks are
+kept on a stack and folded into the parent when a module ends, so cost does not grow with model depth.
+
+Timeline rule (what makes the blocks reconstruct the peak exactly): every op that allocates or uses tracked storage
+is a task ``t``. Its allocations start at ``t``; a storage freed while task ``t`` runs ends at ``t + 1`` (it was live
+during the task); a storage freed between tasks ends at the next task index.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils.weak import WeakIdKeyDictionary
+
+from hyperdryrun.trace.blocks import (
+    ADDRESS_BASE,
+    ALIGNMENT,
+    Block,
+    Category,
+    Phase,
+    round_size,
+    stronger,
+)
+from hyperdryrun.trace.stacks import StackTable
+
+_aten = torch.ops.aten
+_METADATA_OPS = {
+    torch.ops.prim.device.default,
+    _aten.sym_size.default,
+    _aten.sym_size.int,
+    _aten.sym_stride.default,
+    _aten.sym_stride.int,
+    _aten.sym_numel.default,
+    _aten.sym_storage_offset.default,
+    _aten.is_contiguous.default,
+    _aten.is_same_size.default,
+    _aten._has_compatible_shallow_copy_type.default,
+}
+RESIZE_OP = "storage.resize_"
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor behind a DTensor (or the tensor itself)."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if inner is not None else t
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an op's args/outputs: aten schemas nest at most lists inside tuples/dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                yield x
+            elif isinstance(x, (list, tuple, dict)):
+                yield from iter_tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from iter_tensors(x)
+
+
+def unique_storage_bytes(obj: Any, alignment: int) -> int:
+    """Bytes of the distinct storages behind the tensors in ``obj`` (DTensors counted by their local shard)."""
+    from torch.utils._pytree import tree_leaves
+
+    seen, total = set(), 0
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            st = local_tensor(leaf).untyped_storage()
+            if id(st) not in seen:
+                seen.add(id(st))
+                total += round_size(st.nbytes(), alignment)
+    return total
+
+
+class ModuleStats:
+    __slots__ = ("fqn", "param_bytes", "buffer_bytes", "input_bytes", "output_bytes", "fw_peak", "bw_peak", "calls")
+
+    def __init__(self, fqn: str) -> None:
+        self.fqn = fqn
+        self.param_bytes = self.buffer_bytes = self.input_bytes = self.output_bytes = 0
+        self.fw_peak = self.bw_peak = 0
+        self.calls = 0
+
+
+class MemoryTracker:
+    """Records blocks for everything allocated on the fake device while ``active``."""
+
+    def __init__(self, alignment: int = ALIGNMENT, capture_stacks: bool = True) -> None:
+        self.alignment = alignment
+        self.capture_stacks = capture_stacks
+        self.stacks = StackTable()
+        self.blocks: list[Block] = []
+        self.task_phase: list[Phase] = []
+        self.task_op: list[str] = []
+        self.current = 0
+        self.peak = 0
+        self.peak_task = -1
+        self.phase_peak: dict[Phase, int] = {}
+        self.micro_batch = 0
+        self.active = False
+        self._live: dict[int, Block] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._roles: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._next_addr = ADDRESS_BASE
+        self._depth = 0
+        self._pending: list[Block] = []
+        self._view_or_meta: dict[Any, bool] = {}
+        self._optimizer_depth = 0
+        self._recompute_depth = 0
+        self._default_category: Category | None = None
+        self._mod_stack: list[list] = []  # [stats, is_bw, running_max]
+        self.modules: dict[str, ModuleStats] = {}
+        self._fqn: dict[int, str] = {}
+        self._hooked_params: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._handles: list[Any] = []
+        self._modtracker: ModTracker | None = None
+        self._orig_resize = None
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self, root: torch.nn.Module | None = None) -> None:
+        """Begin recording; ``root`` names modules by FQN and gets per-module statistics."""
+        if root is not None:
+            for name, mod in root.named_modules():
+                fqn = name.replace("._checkpoint_wrapped_module", "").replace("_checkpoint_wrapped_module", "")
+                self._fqn[id(mod)] = fqn or "<root>"
+                stats = self.modules.setdefault(self._fqn[id(mod)], ModuleStats(self._fqn[id(mod)]))
+                stats.param_bytes = unique_storage_bytes(list(mod.parameters()), self.alignment)
+                stats.buffer_bytes = unique_storage_bytes(list(mod.buffers()), self.alignment)
+        self._modtracker = ModTracker()
+        self._modtracker.register_user_hooks(self._pre_fw, self._post_fw, self._pre_bw, self._post_bw)
+        self._modtracker.__enter__()
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._handles.append(register_optimizer_step_pre_hook(self._pre_opt))
+        self._handles.append(register_optimizer_step_post_hook(self._post_opt))
+        self._patch_resize()
+        self.active = True
+
+    def stop(self) -> None:
+        """Stop recording and remove every hook and patch (idempotent, safe after an exception)."""
+        self.active = False
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize
+            self._orig_resize = None
+        if self._modtracker is not None:
+            self._modtracker.__exit__(None, None, None)
+            self._modtracker.clear_user_hooks()
+            self._modtracker = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _patch_resize(self) -> None:
+        # torch 2.13: UntypedStorage.resize_ (FSDP2's unshard/reshard, _fsdp_param.alloc_storage/free_storage)
+        # is a direct C++ call that never reaches a dispatch mode, so it is wrapped here for the tracked span.
+        orig = torch.UntypedStorage.resize_
+        self._orig_resize = orig
+        tracker = self
+
+        def resize_(st: torch.UntypedStorage, size: int):
+            if not tracker.active:
+                return orig(st, size)
+            old = st.nbytes()
+            tracker._depth += 1
+            try:
+                out = orig(st, size)
+                tracker._on_resize(st, old, st.nbytes())
+            finally:
+                tracker._depth -= 1
+                if tracker._depth == 0:
+                    tracker._flush()
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+
+    # ----------------------------------------------------------------- phases and roles
+    def phase(self) -> Phase:
+        if self._optimizer_depth:
+            return Phase.OPTIMIZER
+        if torch._C._current_graph_task_id() != -1:
+            return Phase.RECOMPUTE if self._recompute_depth else Phase.BACKWARD
+        return Phase.FORWARD
+
+    def module(self) -> str:
+        return self._mod_stack[-1][0].fqn if self._mod_stack else ""
+
+    def mark(self, tensor: torch.Tensor, category: Category) -> None:
+        """Record that ``tensor``'s storage plays ``category`` (applies to its live block and later reopenings)."""
+        st = local_tensor(tensor).untyped_storage()
+        self._roles[st] = stronger(self._roles.get(st), category)
+        blk = self._live.get(id(st))
+        if blk is not None:
+            blk.category = stronger(blk.category, category)
+
+    def labelled(self, category: Category) -> _Label:
+        """Context in which new blocks default to ``category`` (e.g. the batch's input tensors)."""
+        return _Label(self, category)
+
+    def seed(self, tensor: torch.Tensor, category: Category) -> None:
+        """A storage that exists before the step: a block from the start, phase ``initialization``."""
+        st = local_tensor(tensor).untyped_storage()
+        key = id(st)
+        if key not in self._refs and st.nbytes() > 0:
+            self._open(st, key, 0, "initialization", Phase.INITIALIZATION, stack_id=0)
+        self.mark(tensor, category)
+
+    # ----------------------------------------------------------------- dispatch
+    def begin_op(self) -> None:
+        self._depth += 1
+
+    def end_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        try:
+            if self.active:
+                self._on_op(func, args, kwargs, out)
+        finally:
+            self._depth -= 1
+            if self._depth == 0 and self._pending:
+                self._flush()
+
+    def _skip(self, func: Any) -> bool:
+        skip = self._view_or_meta.get(func)
+        if skip is None:
+            skip = func in _METADATA_OPS or bool(getattr(func, "is_view", False))
+            self._view_or_meta[func] = skip
+        return skip
+
+    def _on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        # Nested ops are FakeTensorMode running a decomposition of one kernel: their intermediates are not the
+        # target kernel's allocations (e.g. the embedding_dense_backward decomposition upcasts and expands
+        # indices, which CUDA's kernel does not), so only the outermost op's outputs count.
+        if self._depth > 1 or self._skip(func):
+            return
+        live = self._live
+        used = []
+        for t in iter_tensors(args):
+            blk = live.get(id(t.untyped_storage()))
+            if blk is not None:
+                used.append(blk)
+        if kwargs:
+            for t in iter_tensors(kwargs):
+                blk = live.get(id(t.untyped_storage()))
+                if blk is not None:
+                    used.append(blk)
+        new = []
+        for t in iter_tensors(out):
+            if not isinstance(t, FakeTensor):
+                continue
+            st = t.untyped_storage()
+            key = id(st)
+            if key in self._refs:
+                blk = live.get(key)
+                if blk is not None:
+                    used.append(blk)
+            elif st.nbytes() > 0 and all(s is not st for s in new):
+                new.append(st)
+        if not used and not new:
+            return
+        task = len(self.task_op)
+        phase = self.phase()
+        name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+        self.task_op.append(name)
+        self.task_phase.append(phase)
+        for blk in used:
+            users = blk.users
+            if not users or users[-1] != task:
+                users.append(task)
+        if new:
+            sid = self.stacks.capture(sys._getframe(1)) if self.capture_stacks else 0
+            for st in new:
+                self._open(st, id(st), task, name, phase, sid)
+        self._end_task(phase)
+
+    def _end_task(self, phase: Phase) -> None:
+        cur = self.current
+        if cur > self.phase_peak.get(phase, -1):
+            self.phase_peak[phase] = cur
+
+    def _on_resize(self, st: torch.UntypedStorage, old: int, new: int) -> None:
+        key = id(st)
+        blk = self._live.get(key)
+        if old == new and (blk is not None or new == 0):
+            return
+        task = len(self.task_op)
+        phase = self.phase()
+        self.task_op.append(RESIZE_OP)
+        self.task_phase.append(phase)
+        if blk is not None:
+            # The old bytes are freed during this task (a reallocation copies before it frees): end at task + 1.
+            blk.users.append(task)
+            self._pending.append(self._live.pop(key))
+        if new > 0:
+            sid = self.stacks.capture(sys._getframe(2)) if self.capture_stacks else 0
+            self._open(st, key, task, RESIZE_OP, phase, sid)
+        self._end_task(phase)
+
+    # ----------------------------------------------------------------- block bookkeeping
+    def _open(self, st: torch.UntypedStorage, key: int, task: int, op: str, phase: Phase, stack_id: int) -> None:
+        nbytes = st.nbytes()
+        size = round_size(nbytes, self.alignment)
+        blk = Block(
+            id=len(self.blocks),
+            size=size,
+            requested=nbytes,
+            start=task,
+            op=op,
+            phase=phase,
+            module=self.module(),
+            stack_id=stack_id,
+            addr=self._next_addr,
+            category=self._roles.get(st, self._default_category),
+            micro_batch=self.micro_batch,
+        )
+        self._next_addr += round_size(max(size, 1), ALIGNMENT)
+        self.blocks.append(blk)
+        self._live[key] = blk
+        if key not in self._refs:
+            self._refs[key] = weakref.ref(st, self._storage_died(key))
+        self.current += size
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_task = task
+        if self._mod_stack:
+            top = self._mod_stack[-1]
+            if self.current > top[2]:
+                top[2] = self.current
+        blk.used_after_alloc = self.current
+        blk.peak_after_alloc = self.peak
+
+    def _storage_died(self, key: int):
+        def callback(_ref: weakref.ref) -> None:
+            self._refs.pop(key, None)
+            if not self.active:
+                return  # after the step: what is still open stays persistent
+            blk = self._live.pop(key, None)
+            if blk is None:
+                return
+            if self._depth:
+                self._pending.append(blk)
+            else:
+                blk.end = len(self.task_op)
+                self.current -= blk.size
+
+        return callback
+
+    def _flush(self) -> None:
+        end = len(self.task_op)
+        pending, self._pending = self._pending, []
+        for blk in pending:
+            blk.end = end
+            self.current -= blk.size
+
+    # ----------------------------------------------------------------- module / optimizer hooks
+    def _note_params(self, mod: torch.nn.Module) -> None:
+        for p in mod._parameters.values():
+            if p is None:
+                continue
+            self.mark(p, Category.PARAMETER)
+            if p.requires_grad and p not in self._hooked_params:
+                self._hooked_params[p] = True
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_accumulated))
+        for b in mod._buffers.values():
+            if b is not None:
+                self.mark(b, Category.BUFFER)
+
+    def _grad_accumulated(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.mark(p.grad, Category.GRADIENT)
+
+    def _stats(self, mod: torch.nn.Module) -> ModuleStats:
+        fqn = self._fqn.get(id(mod)) or type(mod).__name__
+        stats = self.modules.get(fqn)
+        if stats is None:
+            stats = self.modules[fqn] = ModuleStats(fqn)
+        return stats
+
+    def _push(self, mod: torch.nn.Module | None, is_bw: bool) -> None:
+        stats = self._stats(mod) if mod is not None else ModuleStats("<unknown>")
+        self._mod_stack.append([stats, is_bw, self.current])
+
+    def _pop(self, mod: torch.nn.Module | None, is_bw: bool) -> None:
+        stack = self._mod_stack
+        for i in range(len(stack) - 1, -1, -1):
+            entry = stack[i]
+            if entry[1] == is_bw and (mod is None or entry[0] is self._stats(mod)):
+                del stack[i]
+                stats, _, peak = entry
+                if is_bw:
+                    stats.bw_peak = max(stats.bw_peak, peak)
+                else:
+                    stats.fw_peak = max(stats.fw_peak, peak)
+                if stack and stack[-1][2] < peak:
+                    stack[-1][2] = peak
+                return
+
+    def _pre_fw(self, mod: torch.nn.Module, inputs: Any) -> None:
+        if not self.active:
+            return
+        self._note_params(mod)
+        in_bw = torch._C._current_graph_task_id() != -1
+        if in_bw:
+            self._recompute_depth += 1
+        else:
+            stats = self._stats(mod)
+            stats.calls += 1
+            stats.input_bytes = max(stats.input_bytes, unique_storage_bytes(inputs, self.alignment))
+        self._push(mod, in_bw)
+
+    def _post_fw(self, mod: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+        if not self.active:
+            return
+        self._note_params(mod)
+        in_bw = torch._C._current_graph_task_id() != -1
+        if in_bw:
+            self._recompute_depth = max(0, self._recompute_depth - 1)
+        else:
+            stats = self._stats(mod)
+            stats.output_bytes = max(stats.output_bytes, unique_storage_bytes(outputs, self.alignment))
+        self._pop(mod, in_bw)
+
+    def _pre_bw(self, mod: torch.nn.Module | None, grads: Any) -> None:
+        if self.active:
+            self._push(mod, True)
+
+    def _post_bw(self, mod: torch.nn.Module | None, grads: Any) -> None:
+        if self.active:
+            self._pop(mod, True)
+
+    def _pre_opt(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.active:
+            return
+        self._optimizer_depth += 1
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.mark(p.grad, Category.GRADIENT)
+
+    def _post_opt(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.active:
+            return
+        self.mark_optimizer_state(opt)
+        self._optimizer_depth = max(0, self._optimizer_depth - 1)
+
+    def mark_optimizer_state(self, opt: torch.optim.Optimizer, seed: bool = False) -> None:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    (self.seed if seed else self.mark)(v, Category.OPTSTATE)
+
+    # ----------------------------------------------------------------- results
+    @property
+    def num_tasks(self) -> int:
+        return len(self.task_op)
+
+    def live_blocks(self) -> list[Block]:
+        return list(self._live.values())
+
+    def finalize(self) -> list[Block]:
+        """Fill in default categories and plot coordinates; returns the blocks in allocation order."""
+        default = {
+            Phase.INITIALIZATION: Category.OTHER,
+            Phase.FORWARD: Category.ACTIVATION,
+            Phase.RECOMPUTE: Category.ACTIVATION,
+            Phase.BACKWARD: Category.TEMP,
+            Phase.OPTIMIZER: Category.TEMP,
+        }
+        events: dict[int, list[tuple[Block, bool]]] = {}
+        for blk in self.blocks:
+            if blk.category is None:
+                blk.category = default[blk.phase]
+            events.setdefault(blk.start, []).append((blk, True))
+        for blk in sorted((b for b in self.blocks if not b.persistent), key=lambda b: (b.end, b.id)):
+            events.setdefault(blk.end, []).append((blk, False))
+        for task, evs in events.items():
+            # Frees recorded at ``task`` happened before its allocations.
+            evs.sort(key=lambda e: (e[1], e[0].id))
+            n = len(evs)
+            for k, (blk, is_alloc) in enumerate(evs, start=1):
+                coord = round(task + k / (n + 1), 12)
+                if is_alloc:
+                    blk.start_plot = coord
+                else:
+                    blk.end_plot = coord
+        return self.blocks
+
+
+class _Label:
+    def __init__(self, tracker: MemoryTracker, category: Category) -> None:
+        self.tracker, self.category = tracker, category
+
+    def __enter__(self) -> None:
+        self._prev = self.tracker._default_category
+        self.tracker._default_category = self.category
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker._default_category = self._prev
+
+
+class TrackingFakeTensorMode(FakeTensorMode):
+    """FakeTensorMode that reports every op it executes to a tracker.
+
+    Tracking here, at the bottom of the mode stack, sees the rank-local ops that DTensor and FSDP issue (including
+    the redistribution collectives inside a DTensor op), which a TorchDispatchMode above DTensor would not.
+    """
+
+    tracker: MemoryTracker | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tracker = self.tracker
+        if tracker is None or not tracker.active:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        tracker.begin_op()
+        out = None
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            tracker.end_op(func, args, kwargs or {}, out)
+        return out
