@@ -6,4 +6,13 @@ from hyperdryrun.engine import SimulationError, StepTrace, simulate  # noqa: E40
 from hyperdryrun.trace.blocks import Block, Category, Phase  # noqa: E402
 from hyperdryrun.world import SimulatedWorld  # noqa: E402
 
-__all__ = ["Block", "Category", "Phase", "SimulatedWorld", "SimulationError", "StepTrace", "simulate", "__version__"]
+__all__ = [
+    "Block",
+    "Category",
+    "Phase",
+    "SimulatedWorld",
+    "SimulationError",
+    "StepTrace",
+    "simulate",
+    "__version__",
+]

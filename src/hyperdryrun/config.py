@@ -122,7 +122,9 @@ class JobConfig(_Strict):
         p, w, m = self.parallel, self.world, self.model.args()
         for name in ("cp", "pp", "ep", "etp"):
             if getattr(p, name) > 1:
-                raise ValueError(f"parallel.{name}={getattr(p, name)} is not supported yet (dense FSDP/TP only)")
+                raise ValueError(
+                    f"parallel.{name}={getattr(p, name)} is not supported yet (dense FSDP/TP only)"
+                )
         others = p.dp_replicate * p.cp * p.tp * p.pp
         if p.dp_shard is None:
             if w.world_size % others:
@@ -209,7 +211,9 @@ def rank_from_env(environ: dict[str, str] | None = None) -> dict[str, int]:
     if out.get("world_size", 1) < 1:
         raise ConfigError(f"WORLD_SIZE={out['world_size']} must be >= 1")
     if "rank" in out and not 0 <= out["rank"] < out.get("world_size", 1):
-        raise ConfigError(f"RANK={out['rank']} must satisfy 0 <= RANK < WORLD_SIZE={out.get('world_size', 1)}")
+        raise ConfigError(
+            f"RANK={out['rank']} must satisfy 0 <= RANK < WORLD_SIZE={out.get('world_size', 1)}"
+        )
     if out.get("local_rank", 0) < 0:
         raise ConfigError(f"LOCAL_RANK={out['local_rank']} must be >= 0")
     return out

@@ -16,7 +16,7 @@ from torch import nn
 
 from hyperdryrun.trace.blocks import Block, Category, Phase
 from hyperdryrun.trace.stacks import StackTable
-from hyperdryrun.trace.tracker import MemoryTracker, ModuleStats, local_tensor
+from hyperdryrun.trace.tracker import MemoryTracker, ModuleStats, clean_fqn, local_tensor
 from hyperdryrun.world import SimulatedWorld
 
 ModelFn = Callable[[], nn.Module]
@@ -199,11 +199,18 @@ def simulate(
 
 
 def _seed(tracker: MemoryTracker, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Blocks for what exists before the step: parameters, buffers, leftover grads, optimizer states."""
-    for p in model.parameters():
-        tracker.seed(p, Category.PARAMETER)
-        if p.grad is not None:
-            tracker.seed(local_tensor(p.grad), Category.GRADIENT)
-    for b in model.buffers():
-        tracker.seed(b, Category.BUFFER)
-    tracker.mark_optimizer_state(optimizer, seed=True)
+    """Blocks for what exists before the step: parameters, buffers, leftover grads, optimizer states, each owned
+    by the module that holds it (so "which module holds the peak" counts its weights too)."""
+    owners: dict[int, str] = {}
+    for name, mod in model.named_modules(remove_duplicate=True):
+        fqn = clean_fqn(name)
+        for p in mod.parameters(recurse=False):
+            if id(p) in owners:
+                continue
+            owners[id(p)] = fqn
+            tracker.seed(p, Category.PARAMETER, fqn)
+            if p.grad is not None:
+                tracker.seed(local_tensor(p.grad), Category.GRADIENT, fqn)
+        for b in mod.buffers(recurse=False):
+            tracker.seed(b, Category.BUFFER, fqn)
+    tracker.mark_optimizer_state(optimizer, owners)

@@ -73,12 +73,18 @@ def job_metadata(cfg: JobConfig) -> dict:
         "reshard_after_forward": cfg.parallel.reshard_after_forward,
         "sequence_parallel": cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
         "loss_parallel": cfg.parallel.loss_parallel and cfg.parallel.tp > 1,
-        "batch_shapes": {"tokens": [t.micro_batch_size, t.seq_len], "labels": [t.micro_batch_size, t.seq_len]},
+        "batch_shapes": {
+            "tokens": [t.micro_batch_size, t.seq_len],
+            "labels": [t.micro_batch_size, t.seq_len],
+        },
         "tokens_per_micro_batch": tokens,
         "tokens_per_step": tokens * t.num_micro_batches,
         "seq_len": t.seq_len,
         "micro_batch_size": t.micro_batch_size,
-        "activation_checkpointing": {"mode": t.ac, "selective": t.ac_selective if t.ac == "selective" else None},
+        "activation_checkpointing": {
+            "mode": t.ac,
+            "selective": t.ac_selective if t.ac == "selective" else None,
+        },
         "optimizer_config": {"name": t.optimizer, "implementation": t.optimizer_impl},
     }
 
@@ -88,7 +94,9 @@ def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
     dims = ParallelDims.from_config(cfg)
     limitations = []
     if not fsdp_enabled(cfg) and cfg.training.param_dtype not in (None, cfg.training.dtype):
-        limitations.append("mixed precision needs FSDP2 in this recipe; parameters were used in training.dtype")
+        limitations.append(
+            "mixed precision needs FSDP2 in this recipe; parameters were used in training.dtype"
+        )
     trace = simulate(
         model_fn(cfg),
         batch_fn(cfg),

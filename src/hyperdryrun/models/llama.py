@@ -51,7 +51,9 @@ class LlamaArgs:
 # Published shapes (Meta's Llama 3 / 3.1 model cards); the small ones exist for tests and CPU ground truth.
 PRESETS: dict[str, LlamaArgs] = {
     "llama3-8b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
-    "llama3-70b": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
+    "llama3-70b": LlamaArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256
+    ),
     "llama3-405b": LlamaArgs(
         dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256
     ),
@@ -145,7 +147,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer("rope_cache", rope_cache(args.head_dim, max_seq_len, args.rope_theta), persistent=False)
+        self.register_buffer(
+            "rope_cache", rope_cache(args.head_dim, max_seq_len, args.rope_theta), persistent=False
+        )
         # A ModuleDict keyed by layer index, as torchtitan does, so that FQNs stay stable under splitting.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)

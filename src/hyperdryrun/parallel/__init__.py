@@ -77,7 +77,9 @@ def apply_tp(model: nn.Module, tp_mesh, cfg: JobConfig) -> None:
     parallelize_module(model, tp_mesh, root_plan)
     for block in model.layers.values():
         plan = {
-            "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+            "attention": PrepareModuleInput(
+                input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
+            ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -141,7 +143,12 @@ def apply_fsdp(model: nn.Module, dp_mesh, cfg: JobConfig) -> None:
     n = len(model.layers)
     for i, block in enumerate(model.layers.values()):
         # torchtitan's default: the last block stays unsharded, backward needs it at once.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward and i < n - 1)
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            mp_policy=mp,
+            reshard_after_forward=cfg.parallel.reshard_after_forward and i < n - 1,
+        )
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)
 
 

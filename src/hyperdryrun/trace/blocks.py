@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 PERSISTENT_END = 2**63 - 1
 """``end`` of a block still alive after the step."""
@@ -12,7 +12,7 @@ ALIGNMENT = 512
 SMALL_BLOCK = 1 << 20
 
 
-class Category(str, Enum):
+class Category(StrEnum):
     """What a block holds. Order is the precedence when several roles are observed for one storage."""
 
     PARAMETER = "Parameter"
@@ -36,7 +36,7 @@ def stronger(a: Category | None, b: Category) -> Category:
     return b if a is None or _RANK[b] < _RANK[a] else a
 
 
-class Phase(str, Enum):
+class Phase(StrEnum):
     INITIALIZATION = "initialization"
     FORWARD = "forward"
     BACKWARD = "backward"

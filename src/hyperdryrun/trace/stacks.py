@@ -11,9 +11,35 @@ import torch
 import hyperdryrun
 
 MAX_FRAMES = 64
-_FILTERED_ROOTS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, hyperdryrun)
-) + (os.path.dirname(os.path.abspath(os.__file__)) + os.sep + "contextlib.py",)
+
+
+def _dir(module_file: str) -> str:
+    return os.path.dirname(os.path.abspath(module_file)) + os.sep
+
+
+_PKG = _dir(hyperdryrun.__file__)
+_OWN_USER_CODE = (_PKG + "models" + os.sep,)  # the built-in recipe's model code is user code there
+_TORCH = _dir(torch.__file__)
+_LAUNCHERS = os.path.join(sys.prefix, "bin") + os.sep  # console-script entry points
+_SITE = tuple(sorted({p + os.sep for p in sys.path if p.endswith(("site-packages", "dist-packages"))}))
+_STDLIB = _dir(os.__file__)
+_HARNESS = tuple(os.sep + name + os.sep for name in ("_pytest", "pluggy"))
+
+
+def user_frame(filename: str) -> bool:
+    """Whether a frame of ``filename`` is code the user can change: their model and step (or the built-in
+    recipe's), not torch internals, hyperdryrun's machinery, the standard library, launchers or the test harness."""
+    if filename.startswith("<") or any(h in filename for h in _HARNESS):
+        return False
+    f = os.path.abspath(filename)
+    if f.startswith(_PKG):
+        return f.startswith(_OWN_USER_CODE)
+    if f.startswith((_TORCH, _LAUNCHERS)):
+        return False
+    if f.startswith(_SITE):
+        return True
+    return not f.startswith(_STDLIB)
+
 
 Frame = tuple[str, int, str]
 
@@ -33,9 +59,7 @@ class StackTable:
     def _keep(self, filename: str) -> bool:
         keep = self._filtered.get(filename)
         if keep is None:
-            absf = os.path.abspath(filename)
-            keep = not (absf.startswith(_FILTERED_ROOTS) or filename.startswith("<"))
-            self._filtered[filename] = keep
+            keep = self._filtered[filename] = user_frame(filename)
         return keep
 
     def capture(self, frame: FrameType | None = None) -> int:

@@ -49,6 +49,13 @@ _METADATA_OPS = {
 RESIZE_OP = "storage.resize_"
 
 
+def clean_fqn(name: str) -> str:
+    """A module's FQN as the user wrote it: activation-checkpoint wrappers removed, ``<root>`` for the model."""
+    return (
+        name.replace("._checkpoint_wrapped_module", "").replace("_checkpoint_wrapped_module", "") or "<root>"
+    )
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor behind a DTensor (or the tensor itself)."""
     inner = getattr(t, "_local_tensor", None)
@@ -85,7 +92,16 @@ def unique_storage_bytes(obj: Any, alignment: int) -> int:
 
 
 class ModuleStats:
-    __slots__ = ("fqn", "param_bytes", "buffer_bytes", "input_bytes", "output_bytes", "fw_peak", "bw_peak", "calls")
+    __slots__ = (
+        "fqn",
+        "param_bytes",
+        "buffer_bytes",
+        "input_bytes",
+        "output_bytes",
+        "fw_peak",
+        "bw_peak",
+        "calls",
+    )
 
     def __init__(self, fqn: str) -> None:
         self.fqn = fqn
@@ -133,8 +149,7 @@ class MemoryTracker:
         """Begin recording; ``root`` names modules by FQN and gets per-module statistics."""
         if root is not None:
             for name, mod in root.named_modules():
-                fqn = name.replace("._checkpoint_wrapped_module", "").replace("_checkpoint_wrapped_module", "")
-                self._fqn[id(mod)] = fqn or "<root>"
+                self._fqn[id(mod)] = clean_fqn(name)
                 stats = self.modules.setdefault(self._fqn[id(mod)], ModuleStats(self._fqn[id(mod)]))
                 stats.param_bytes = unique_storage_bytes(list(mod.parameters()), self.alignment)
                 stats.buffer_bytes = unique_storage_bytes(list(mod.buffers()), self.alignment)
@@ -208,12 +223,13 @@ class MemoryTracker:
         """Context in which new blocks default to ``category`` (e.g. the batch's input tensors)."""
         return _Label(self, category)
 
-    def seed(self, tensor: torch.Tensor, category: Category) -> None:
-        """A storage that exists before the step: a block from the start, phase ``initialization``."""
+    def seed(self, tensor: torch.Tensor, category: Category, module: str = "") -> None:
+        """A storage that exists before the step: a block from the start, phase ``initialization``, owned by
+        ``module`` (the FQN of the module whose parameter, buffer or optimizer state it is)."""
         st = local_tensor(tensor).untyped_storage()
         key = id(st)
         if key not in self._refs and st.nbytes() > 0:
-            self._open(st, key, 0, "initialization", Phase.INITIALIZATION, stack_id=0)
+            self._open(st, key, 0, "initialization", Phase.INITIALIZATION, stack_id=0, module=module)
         self.mark(tensor, category)
 
     # ----------------------------------------------------------------- dispatch
@@ -306,7 +322,16 @@ class MemoryTracker:
         self._end_task(phase)
 
     # ----------------------------------------------------------------- block bookkeeping
-    def _open(self, st: torch.UntypedStorage, key: int, task: int, op: str, phase: Phase, stack_id: int) -> None:
+    def _open(
+        self,
+        st: torch.UntypedStorage,
+        key: int,
+        task: int,
+        op: str,
+        phase: Phase,
+        stack_id: int,
+        module: str | None = None,
+    ) -> None:
         nbytes = st.nbytes()
         size = round_size(nbytes, self.alignment)
         blk = Block(
@@ -316,7 +341,7 @@ class MemoryTracker:
             start=task,
             op=op,
             phase=phase,
-            module=self.module(),
+            module=self.module() if module is None else module,
             stack_id=stack_id,
             addr=self._next_addr,
             category=self._roles.get(st, self._default_category),
@@ -452,11 +477,15 @@ class MemoryTracker:
         self.mark_optimizer_state(opt)
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
 
-    def mark_optimizer_state(self, opt: torch.optim.Optimizer, seed: bool = False) -> None:
-        for state in opt.state.values():
+    def mark_optimizer_state(self, opt: torch.optim.Optimizer, owners: dict[int, str] | None = None) -> None:
+        """Mark the optimizer's state tensors; with ``owners`` (param id -> module FQN) seed them as blocks."""
+        for p, state in opt.state.items():
             for v in state.values():
                 if isinstance(v, torch.Tensor):
-                    (self.seed if seed else self.mark)(v, Category.OPTSTATE)
+                    if owners is None:
+                        self.mark(v, Category.OPTSTATE)
+                    else:
+                        self.seed(v, Category.OPTSTATE, owners.get(id(p), ""))
 
     # ----------------------------------------------------------------- results
     @property

@@ -57,9 +57,13 @@ class SimulatedWorld:
         if not 0 <= rank < world_size:
             raise WorldError(f"rank={rank} must satisfy 0 <= rank < world_size={world_size}")
         mesh_shape = tuple(mesh_shape) if mesh_shape else (world_size,)
-        mesh_dim_names = tuple(mesh_dim_names) if mesh_dim_names else tuple(f"dim{i}" for i in range(len(mesh_shape)))
+        mesh_dim_names = (
+            tuple(mesh_dim_names) if mesh_dim_names else tuple(f"dim{i}" for i in range(len(mesh_shape)))
+        )
         if math.prod(mesh_shape) != world_size:
-            raise WorldError(f"mesh_shape={mesh_shape} has {math.prod(mesh_shape)} ranks, world_size={world_size}")
+            raise WorldError(
+                f"mesh_shape={mesh_shape} has {math.prod(mesh_shape)} ranks, world_size={world_size}"
+            )
         if len(mesh_dim_names) != len(mesh_shape):
             raise WorldError(f"mesh_dim_names={mesh_dim_names} does not match mesh_shape={mesh_shape}")
         self.world_size, self.rank = world_size, rank

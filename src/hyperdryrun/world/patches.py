@@ -19,8 +19,10 @@ class Patch:
     _old: Any = _MISSING
 
     def apply(self) -> None:
-        self._old = self.owner.__dict__.get(self.name, _MISSING) if isinstance(self.owner, type) else getattr(
-            self.owner, self.name, _MISSING
+        self._old = (
+            self.owner.__dict__.get(self.name, _MISSING)
+            if isinstance(self.owner, type)
+            else getattr(self.owner, self.name, _MISSING)
         )
         setattr(self.owner, self.name, self.new)
 
