@@ -77,6 +77,19 @@ def micro_batch_step(
     return step
 
 
+def _finish_fsdp_lazy_init(model: nn.Module) -> None:
+    """Steady state for FSDP2: its lazy init, which real training runs in the first forward, re-pads uneven shards
+    that ``to_empty`` left unpadded (torch 2.13 ``FSDPParam.reset_sharded_param``: a new padded storage and a copy on
+    ranks that own fewer rows). Run it before tracking so the step sees the storages of step 2 onwards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots: list[str] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, FSDPModule) and not any(r == "" or name.startswith(r + ".") for r in roots):
+            roots.append(name)
+            mod._get_fsdp_state()._lazy_init()  # private in torch 2.13; the public trigger is a forward
+
+
 def _materialize_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Steady state: real training reaches step 2 with optimizer states allocated. One optimizer step on zero
     gradients, before tracking, creates them lazily as torch would; the gradients are then dropped."""
@@ -133,6 +146,7 @@ def simulate(
             with world.fake():
                 stage = "materialize"
                 model.to_empty(device=world.device)
+                _finish_fsdp_lazy_init(model)
                 stage = "optimizer"
                 optimizer = optimizer_fn([p for p in model.parameters() if p.requires_grad])
                 _materialize_optimizer_state(model, optimizer)

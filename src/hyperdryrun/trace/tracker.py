@@ -260,13 +260,18 @@ class MemoryTracker:
             return
         live = self._live
         used = []
+        inputs = set()  # an output on an input's storage (in-place, out=) is no allocation, tracked or not
         for t in iter_tensors(args):
-            blk = live.get(id(t.untyped_storage()))
+            key = id(t.untyped_storage())
+            inputs.add(key)
+            blk = live.get(key)
             if blk is not None:
                 used.append(blk)
         if kwargs:
             for t in iter_tensors(kwargs):
-                blk = live.get(id(t.untyped_storage()))
+                key = id(t.untyped_storage())
+                inputs.add(key)
+                blk = live.get(key)
                 if blk is not None:
                     used.append(blk)
         new = []
@@ -279,7 +284,7 @@ class MemoryTracker:
                 blk = live.get(key)
                 if blk is not None:
                     used.append(blk)
-            elif st.nbytes() > 0 and all(s is not st for s in new):
+            elif key not in inputs and st.nbytes() > 0 and all(s is not st for s in new):
                 new.append(st)
         if not used and not new:
             return
@@ -478,10 +483,18 @@ class MemoryTracker:
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
 
     def mark_optimizer_state(self, opt: torch.optim.Optimizer, owners: dict[int, str] | None = None) -> None:
-        """Mark the optimizer's state tensors; with ``owners`` (param id -> module FQN) seed them as blocks."""
-        for p, state in opt.state.items():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
+        """Mark the optimizer's state tensors; with ``owners`` (param id -> module FQN) seed them as blocks.
+
+        torch 2.13 Adam/AdamW/SGD keep ``state["step"]`` as a host (CPU) scalar unless the group is ``fused`` or
+        ``capturable``; on a CUDA target it takes no device memory, so it is left out (on a CPU simulation device it
+        would otherwise be indistinguishable from device state).
+        """
+        for group in opt.param_groups:
+            host_step = not (group.get("fused") or group.get("capturable"))
+            for p in group["params"]:
+                for key, v in opt.state.get(p, {}).items():
+                    if not isinstance(v, torch.Tensor) or (key == "step" and host_step and v.dim() == 0):
+                        continue
                     if owners is None:
                         self.mark(v, Category.OPTSTATE)
                     else:
