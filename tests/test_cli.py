@@ -388,15 +388,10 @@ def test_error_during_simulation_writes_error_report(tmp_path, capsys, monkeypat
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Known bugs (src/ is not edited here): strict xfail so a fix shows up as XPASS.
+# Malformed sections, non-finite values and unwritable outputs.
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.config_from_args replaces a non-mapping `world:` section with {} before validation, so "
-    "`world: 5` in the YAML is silently ignored and the run succeeds (exit 0)",
-)
 def test_yaml_world_section_not_a_mapping_is_rejected(tmp_path, capsys):
     cfg = tmp_path / "job.yaml"
     cfg.write_text("world: 5\n")
@@ -411,11 +406,6 @@ def test_yaml_world_section_not_a_mapping_is_rejected(tmp_path, capsys):
     assert_nothing_written(tmp_path, out_dir)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli._set walks into a non-mapping YAML section: `training: 5` plus --seq-len raises an "
-    "uncaught TypeError ('int' object does not support item assignment) instead of a one-line error",
-)
 def test_yaml_section_not_a_mapping_with_flag_is_one_line_error(tmp_path, capsys):
     cfg = tmp_path / "job.yaml"
     cfg.write_text("training: 5\n")
@@ -430,11 +420,6 @@ def test_yaml_section_not_a_mapping_with_flag_is_one_line_error(tmp_path, capsys
     assert_nothing_written(tmp_path, out_dir)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="device_memory_gib accepts inf (gt=0 only); after the simulation report.build.summarize does "
-    "int(round(inf * GIB)) and raises an uncaught OverflowError, no report written",
-)
 def test_infinite_device_memory_is_one_line_error(tmp_path, capsys):
     out_dir = tmp_path / "out"
     rc, _out, err = run_cli(
@@ -456,11 +441,6 @@ def test_infinite_device_memory_is_one_line_error(tmp_path, capsys):
     assert_nothing_written(tmp_path, out_dir)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an OSError while writing the reports (output dir under a regular file) escapes cli._run as a "
-    "traceback with exit 1, the same code as an OOM verdict",
-)
 def test_unwritable_output_dir_is_one_line_error(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory\n")

@@ -23,7 +23,8 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True)
+    # allow_inf_nan=False: "inf" GiB of device memory or a NaN learning rate is a typo, not a value.
+    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from hyperdryrun import SimulatedWorld, SimulationError, simulate
@@ -25,6 +26,7 @@ def snapshot() -> dict:
         "sdpa": F.scaled_dot_product_attention,
         "dropout": F.dropout,
         "resize_": torch.UntypedStorage.resize_,
+        "sharding_prop": ShardingPropagator.__dict__["_propagate_tensor_meta_non_cached"],
         "dtype": torch.get_default_dtype(),
         "device": torch.get_default_device(),
         "grad": torch.is_grad_enabled(),

@@ -12,6 +12,7 @@ during the task); a storage freed between tasks ends at the next task index.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections.abc import Iterator
@@ -126,6 +127,7 @@ class MemoryTracker:
         self.phase_peak: dict[Phase, int] = {}
         self.micro_batch = 0
         self.active = False
+        self._paused = 0
         self._live: dict[int, Block] = {}
         self._refs: dict[int, weakref.ref] = {}
         self._roles: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -219,6 +221,15 @@ class MemoryTracker:
         if blk is not None:
             blk.category = stronger(blk.category, category)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run inside are not device work (e.g. DTensor's shape inference on global shapes): not recorded."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     def labelled(self, category: Category) -> _Label:
         """Context in which new blocks default to ``category`` (e.g. the batch's input tensors)."""
         return _Label(self, category)
@@ -238,7 +249,7 @@ class MemoryTracker:
 
     def end_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         try:
-            if self.active:
+            if self.active and not self._paused:
                 self._on_op(func, args, kwargs, out)
         finally:
             self._depth -= 1

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hyperdryrun.trace.blocks import ALIGNMENT
 from hyperdryrun.trace.tracker import MemoryTracker, TrackingFakeTensorMode
+from hyperdryrun.world.dtensor import untracked_sharding_propagation
 from hyperdryrun.world.kernels import target_kernel_patches
 from hyperdryrun.world.patches import PatchSet
 
@@ -94,6 +95,7 @@ class SimulatedWorld:
             # Built outside fake mode: mesh coordinates are computed with real tensor ops (nonzero/item).
             self.mesh = init_device_mesh(self.device, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
             stack.enter_context(PatchSet(target_kernel_patches(self.target_device, self.device)))
+            stack.enter_context(PatchSet(untracked_sharding_propagation(lambda: self.tracker)))
             self.fake_mode = TrackingFakeTensorMode(allow_non_fake_inputs=True)
         except BaseException:
             self.__exit__(None, None, None)
