@@ -168,4 +168,5 @@ def test_fused_adamw_keeps_its_step_counters_on_the_device():
 def test_buffers_are_the_rope_table_of_the_sequence_length():
     trace = dry_run(world__world_size=2, training__seq_len=64)
     head_dim = 64 // 4
-    assert after_step(trace, Category.BUFFER) == r512(64 * head_dim * 4)
+    # complex64 freqs_cis of shape (seq, head_dim / 2): 8 bytes per element
+    assert after_step(trace, Category.BUFFER) == r512(64 * (head_dim // 2) * 8)

@@ -24,8 +24,14 @@ def model_fn(cfg: JobConfig):
     args = cfg.model.args()
 
     def build() -> Transformer:
-        model = Transformer(args, max_seq_len=cfg.training.seq_len)
-        return model.to(DTYPES[cfg.training.dtype])
+        # Built in the stored dtype rather than cast with ``.to(dtype)``, which would also turn the complex RoPE
+        # buffer into a real one (nn.Module.to casts complex tensors to the requested floating dtype).
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(DTYPES[cfg.training.dtype])
+        try:
+            return Transformer(args, max_seq_len=cfg.training.seq_len)
+        finally:
+            torch.set_default_dtype(old)
 
     return build
 

@@ -76,21 +76,23 @@ class RMSNorm(nn.Module):
 
 
 def rope_cache(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
-    """cos/sin table of shape (max_seq_len, head_dim), real-valued (no complex dtypes)."""
+    """Complex rotations ``freqs_cis`` of shape (max_seq_len, head_dim // 2), as torchtitan's ``precompute_freqs_cis``.
+
+    Complex, not real cos/sin: FSDP2's mixed precision casts floating-point forward inputs of each block to
+    ``param_dtype`` and would rotate in bf16; complex inputs are left alone, as in torchtitan.
+    """
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
     t = torch.arange(max_seq_len).float()
     angles = torch.outer(t, freqs)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x1, x2) of the last dim; ``x`` is (bs, seq, heads, head_dim)."""
-    seq, half = x.shape[1], x.shape[-1] // 2
-    cos = cache[:seq, :half].view(1, seq, 1, half)
-    sin = cache[:seq, half:].view(1, seq, 1, half)
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return out.type_as(x)
+def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of the last dim in fp32 (torchtitan's ``apply_rotary_emb``); ``x`` is (bs, seq, heads, hd)."""
+    seq = x.shape[1]
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rot = freqs_cis[:seq].view(1, seq, 1, xc.shape[-1])
+    return torch.view_as_real(xc * rot).flatten(3).type_as(x)
 
 
 class Attention(nn.Module):
