@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from hyperdryrun.engine import SimulationError, StepTrace, simulate  # noqa: E402
+from hyperdryrun.report import build_report, save_reports  # noqa: E402
 from hyperdryrun.trace.blocks import Block, Category, Phase  # noqa: E402
 from hyperdryrun.world import SimulatedWorld  # noqa: E402
 
@@ -13,6 +14,8 @@ __all__ = [
     "SimulatedWorld",
     "SimulationError",
     "StepTrace",
+    "build_report",
+    "save_reports",
     "simulate",
     "__version__",
 ]

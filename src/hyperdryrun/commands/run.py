@@ -54,14 +54,14 @@ def run(args: argparse.Namespace) -> int:
         paths = write_reports(report, blocks_csv(trace), cfg.output_dir, cfg.world.rank)
     except OSError as err:
         return fail(f"--output-dir {cfg.output_dir!r}: cannot write the reports: {err}", err, args.debug)
-    console = Console()
     if args.quiet:
+        console = Console()
         s = report["summary"]
         console.print(
             f"peak {s['peak_gib']:.2f} GiB ({s['peak_phase']}); {s.get('verdict', '')}".rstrip("; ")
         )
     else:
-        print_summary(report, [str(p) for p in paths], console)
+        print_summary(report, [str(p) for p in paths])
     return EXIT_VERDICT if report["summary"].get("oom") else EXIT_OK
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.columns import Columns
 from rich.console import Console
 from rich.table import Table
 
@@ -16,58 +17,107 @@ def _short(path: str) -> str:
     return path.rsplit("/", 1)[-1]
 
 
-def print_summary(
-    report: dict[str, Any], paths: list[str], console: Console | None = None, top: int = 8
-) -> None:
-    console = console or Console()
+def _table(
+    title: str, *columns: str, right: tuple[str, ...] = (), widths: dict[str, int] | None = None
+) -> Table:
+    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False, title_style="bold")
+    for col in columns:
+        numeric = col in right
+        t.add_column(
+            col,
+            justify="right" if numeric else "left",
+            no_wrap=True,
+            overflow="fold" if numeric else "ellipsis",
+            min_width=len(col) if not numeric or col == "%" else max(len(col), 9),
+            max_width=(widths or {}).get(col),
+        )
+    return t
+
+
+def _natural(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in name.split("."))
+
+
+def by_unit(live: dict[str, Any]) -> list[tuple[str, int, int, str]]:
+    """Bytes at the peak per model-level unit (``layers`` summed over its numbered children), largest first, with the
+    number of children and the largest child."""
+    units: dict[str, list] = {}
+    for row in live["by_top_level_module"]:
+        name, nbytes = row["module"], row["bytes"]
+        head, _, tail = name.partition(".")
+        key = head if tail.isdigit() else name
+        u = units.setdefault(key, [0, 0, "", -1])
+        u[0] += nbytes
+        if tail.isdigit():
+            u[1] += 1
+            if nbytes > u[3] or (nbytes == u[3] and _natural(name) < _natural(u[2])):
+                u[2], u[3] = name, nbytes
+    return sorted(((k, v[0], v[1], v[2]) for k, v in units.items()), key=lambda r: (-r[1], r[0]))
+
+
+def headline(report: dict[str, Any]) -> list[str]:
+    """The lines above the tables: who was simulated, the peak and when, the verdict, what stays after the step."""
     md, s = report["metadata"], report["summary"]
     par = md.get("parallel") or {}
     layout = " ".join(f"{k}={v}" for k, v in par.items() if isinstance(v, int) and v > 1) or "single device"
-    console.print(
-        f"[bold]{md.get('model', 'model')}[/] rank {md.get('rank')}/{md.get('world_size')} "
-        f"({layout}) on {md.get('target_device')} [dim](simulated on {md.get('simulation_device')})[/]"
-    )
-    head = (
-        f"peak [bold]{_g(s['peak_bytes'])}[/] in {s['peak_phase']} at task {s['peak_task']} ({s['peak_op']})"
-    )
+    sim = md.get("simulation_device")
+    device = md.get("target_device")
+    where = f"{device} (simulated on {sim})" if sim and sim != device else f"{device}"
+    lines = [
+        f"[bold]{md.get('model', 'model')}[/] · rank {md.get('rank')} of {md.get('world_size')} · {layout} · {where}",
+        f"peak [bold]{_g(s['peak_bytes'])}[/] in {s['peak_phase']} (task {s['peak_task']}, {s['peak_op']})",
+    ]
     if "capacity_bytes" in s:
-        colour = "red" if s["oom"] else "green"
-    console.print(head)
-    if "capacity_bytes" in s:
-        console.print(f"[bold {colour}]{s['verdict']}[/]")
-    console.print(f"after the step: {_g(s['current_bytes'])}")
+        if s["oom"]:
+            lines.append(f"[bold red]OOM[/]: over {s['capacity_gib']:g} GiB by {_g(-s['headroom_bytes'])}")
+        else:
+            lines.append(
+                f"[bold green]fits[/] in {s['capacity_gib']:g} GiB: {_g(s['headroom_bytes'])} headroom"
+            )
+    lines.append(f"after the step: {_g(s['current_bytes'])}")
+    return lines
 
-    cats = Table(title="at the peak", title_justify="left", show_edge=False)
-    cats.add_column("category")
-    cats.add_column("bytes", justify="right")
-    cats.add_column("%", justify="right")
+
+def print_summary(
+    report: dict[str, Any], paths: list[str], console: Console | None = None, top: int = 8
+) -> None:
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=110)  # a log or a pipe: wide enough that the tables do not fold
+    s = report["summary"]
+    for line in headline(report):
+        console.print(line)
+    console.print()
+
+    cats = _table("at the peak", "category", "bytes", "%", right=("bytes", "%"))
     for cat, nbytes in s["breakdown_at_peak"].items():
         if nbytes:
             cats.add_row(cat, _g(nbytes), f"{100 * nbytes / max(s['peak_bytes'], 1):.1f}")
-
-    ph = Table(title="phase peaks", title_justify="left", show_edge=False)
-    ph.add_column("phase")
-    ph.add_column("peak", justify="right")
+    ph = _table("phase peaks", "phase", "peak", right=("peak",))
     for name, p in report["phases"].items():
         ph.add_row(name, _g(p["peak_bytes"]))
-    console.print(cats)
-    console.print(ph)
-
     live = report["peak_live_set"]
-    mods = Table(title="modules holding the peak", title_justify="left", show_edge=False)
-    mods.add_column("module")
-    mods.add_column("bytes", justify="right")
-    for row in live["by_top_level_module"][:top]:
-        mods.add_row(row["module"], _g(row["bytes"]))
-    console.print(mods)
-
-    blk = Table(
-        title=f"largest of the {live['num_blocks']} blocks live at the peak",
-        title_justify="left",
-        show_edge=False,
+    mods = _table(
+        "held at the peak by", "module", "bytes", "largest", right=("bytes",), widths={"module": 24}
     )
-    for col in ("MiB", "category", "op", "module", "phase", "where"):
-        blk.add_column(col, justify="right" if col == "MiB" else "left", overflow="fold")
+    for name, nbytes, children, largest in by_unit(live)[:top]:
+        label = f"{name} ({children})" if children else name
+        mods.add_row(label, _g(nbytes), largest if children > 1 else "")
+    console.print(Columns([cats, ph, mods], padding=(0, 4)))
+    console.print()
+
+    blk = _table(
+        f"largest of the {live['num_blocks']} blocks live at the peak",
+        "MiB",
+        "category",
+        "op",
+        "module",
+        "phase",
+        "allocated at",
+        right=("MiB",),
+        widths={"op": 28, "module": 28, "allocated at": 24},
+    )
     for b in live["blocks"][:top]:
         where = f"{_short(b['stack'][0]['file'])}:{b['stack'][0]['line']}" if b.get("stack") else ""
         phase = "init" if b["phase"] == "initialization" else b["phase"]
