@@ -170,3 +170,22 @@ def test_buffers_are_the_rope_table_of_the_sequence_length():
     head_dim = 64 // 4
     # complex64 freqs_cis of shape (seq, head_dim / 2): 8 bytes per element
     assert after_step(trace, Category.BUFFER) == r512(64 * (head_dim // 2) * 8)
+
+
+def test_tied_embeddings_store_the_shared_table_once():
+    # llama-tiny untied: 106,816 parameters; tying drops the output head's vocab x dim = 256 x 64.
+    def param_requested(**over) -> int:
+        trace = dry_run(**over)
+        return sum(b.requested for b in trace.blocks if b.category is Category.PARAMETER and b.persistent)
+
+    assert param_requested() == 106_816 * 4
+    assert param_requested(model__tie_embeddings=True) == (106_816 - 256 * 64) * 4
+
+
+def test_bf16_storage_halves_parameter_and_state_bytes():
+    # training.dtype bf16 with bf16 compute: parameters and AdamW states both bf16 (2 bytes), world 1, no FSDP.
+    trace = dry_run(training__dtype="bf16", training__param_dtype="bf16", training__reduce_dtype="bf16")
+    params = sum(b.requested for b in trace.blocks if b.category is Category.PARAMETER and b.persistent)
+    states = sum(b.requested for b in trace.blocks if b.category is Category.OPTSTATE and b.persistent)
+    assert params == 106_816 * 2
+    assert states == 2 * 106_816 * 2
