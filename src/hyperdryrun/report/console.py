@@ -125,3 +125,34 @@ def print_summary(
     console.print(blk)
     for p in paths:
         console.print(f"[dim]wrote {p}[/]")
+
+
+def print_ranks(cfg: Any, rows: list[tuple[int, dict[str, Any] | None, str | None]]) -> None:
+    """One row per simulated rank (peak, phase, what it consists of, verdict) and the maximum over them."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=110)
+    cats = ["Parameter", "Gradient", "Optstate", "Activation", "Temp"]
+    t = _table(
+        f"{cfg.model.name}: {len(rows)} of {cfg.world.world_size} ranks",
+        "rank",
+        "peak",
+        "phase",
+        *cats,
+        "verdict",
+        right=("rank", "peak", *cats),
+    )
+    best: tuple[int, int] | None = None
+    for rank, report, error in rows:
+        if report is None or report.get("status") != "ok":
+            t.add_row(str(rank), "", "", *[""] * len(cats), f"[red]error[/]: {error}")
+            continue
+        s = report["summary"]
+        b = s["breakdown_at_peak"]
+        verdict = "" if "oom" not in s else ("[red]OOM[/]" if s["oom"] else "[green]fits[/]")
+        t.add_row(str(rank), _g(s["peak_bytes"]), s["peak_phase"], *[_g(b[c]) for c in cats], verdict)
+        if best is None or s["peak_bytes"] > best[1]:
+            best = (rank, s["peak_bytes"])
+    console.print(t)
+    if best is not None:
+        console.print(f"max peak: [bold]{_g(best[1])}[/] on rank {best[0]}")

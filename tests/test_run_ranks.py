@@ -1,0 +1,51 @@
+"""``run --ranks/--all-ranks``: several ranks, each in its own process, one table and the maximum."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hyperdryrun.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_env(monkeypatch, tmp_path):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def test_all_ranks_writes_each_rank_and_reports_the_same_peaks_as_single_runs(tmp_path, capsys):
+    common = ["run", "--model", "llama-tiny", "--seq-len", "32", "--world-size", "3"]
+    assert main([*common, "--all-ranks", "--jobs", "2", "--output-dir", str(tmp_path / "many")]) == 0
+    table = capsys.readouterr().out
+    assert "3 of 3 ranks" in table and "max peak" in table
+    # Uneven FSDP shards (64 rows over 3 ranks): the last rank owns fewer rows, so ranks need not agree; each
+    # subprocess's report must equal the same rank simulated alone in this process.
+    for rank in range(3):
+        assert main([*common, "--rank", str(rank), "--quiet", "--output-dir", str(tmp_path / "one")]) == 0
+        capsys.readouterr()
+        many = json.loads((tmp_path / "many" / f"rank_{rank}" / f"rank_{rank}_memory.json").read_text())
+        one = json.loads((tmp_path / "one" / f"rank_{rank}" / f"rank_{rank}_memory.json").read_text())
+        assert many["metadata"]["rank"] == rank
+        assert many["summary"] == one["summary"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--ranks", "0,x"], "--ranks: 'x' is not an integer"),
+        (["--ranks", "0,5"], "--ranks: rank 5 must satisfy 0 <= rank < world_size=2"),
+        (["--ranks", "0", "--all-ranks"], "--ranks and --all-ranks"),
+        (["--ranks", "1", "--rank", "0"], "--rank and --ranks/--all-ranks"),
+        (["--all-ranks", "--jobs", "0"], "--jobs: must be >= 1 (got 0)"),
+    ],
+)
+def test_bad_rank_lists_are_one_line_errors(argv, needle, tmp_path, capsys):
+    rc = main(
+        ["run", "--model", "llama-tiny", "--world-size", "2", *argv, "--output-dir", str(tmp_path / "o")]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "o").exists()
