@@ -5,7 +5,9 @@ Each ``[memory]`` instant event is one allocation (``Bytes > 0``) or free (``Byt
 The ``X`` events of the same thread that enclose it give the rest: the op (innermost ``aten::``-style op, skipping
 the ``empty``/``resize_`` helpers a kernel allocates through), the Python frames (``python_function`` events,
 ``with_stack=True``), the module path (``nn.Module: Linear_2`` events, instance names rather than FQNs: the trace
-does not record attribute names) and the phase (optimizer > recompute > backward > forward).
+does not record attribute names) and the phase (optimizer > recompute > backward > forward). Without
+``with_stack=True`` there are no Python frames: recompute (found by ``torch/utils/checkpoint.py`` frames inside
+backward) then reads as backward, and stacks are empty.
 """
 
 from __future__ import annotations
