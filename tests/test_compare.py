@@ -237,3 +237,22 @@ def test_csv_that_disagrees_with_its_json_is_refused(report_dir, tmp_path, capsy
     modified_csv(report_dir / "rank_0_memory.csv", dst / "rank_0_memory.csv", 512)
     rc, _, err = cli([str(dst / "rank_0_memory.json"), str(report_dir / "rank_0_memory.json")], capsys)
     assert rc == 2 and "the report's peak is" in err and err.count("\n") == 1
+
+
+def test_cpu_trace_and_dry_run_of_the_same_step_differ_only_by_what_the_trace_cannot_see():
+    """The fixture trace profiles a real CPU step of TinyNet; the dry run of the same step (target cpu) must hold the
+    same storages at its peak, except the ones created before the profiled window (parameters, optimizer states,
+    the batch: the CPU profiler does not report them) and 0-dim host scalars the dry run leaves out."""
+    from hyperdryrun.engine import simulate
+    from tests.ingest.fixtures.make_fixtures import BATCH, DIM, TinyNet, adamw, make_batch
+
+    dry = simulate(
+        TinyNet, make_batch, loss_fn=lambda m, x: m(x).sum(), optimizer_fn=adamw, target_device="cpu"
+    )
+    trace = Side("trace", "chrome_trace", as_report(load_any(FIXTURES / "tiny_step.trace.json.gz")))
+    res = compare(trace, Side("dry", "dry-run", as_report(dry)), top=1000)
+    only_trace, only_dry = res["blocks"]["only_in_a"], res["blocks"]["only_in_b"]
+    assert only_dry["bytes"] == dry.initial + BATCH * DIM * 4
+    assert {b["phase"] for b in only_dry["largest"]} == {"initialization", "forward"}
+    assert all(b["size"] <= 8 for b in only_trace["largest"])
+    assert res["peak"]["diff"] == only_dry["bytes"] - only_trace["bytes"]

@@ -18,7 +18,7 @@ DEFAULT_TOLERANCE = 0.01
 TOP_BLOCKS = 10
 MATCHING = (
     "blocks alive at each side's peak are paired greedily, first by (size, op, module), then by (size, op), "
-    "then by size alone; op names are compared without their 'aten::'/'aten.' prefix and overload. "
+    "then by (size, phase), then by size alone; op names are compared without their 'aten::'/'aten.' prefix and overload. "
     "What stays unpaired is listed, largest first."
 )
 
@@ -92,6 +92,7 @@ def unmatched_blocks(
     keys = (
         lambda b: (b["size"], norm_op(b.get("op") or ""), b.get("module") or ""),
         lambda b: (b["size"], norm_op(b.get("op") or "")),
+        lambda b: (b["size"], b.get("phase") or ""),
         lambda b: (b["size"],),
     )
     left_a, left_b = list(blocks_a), list(blocks_b)
