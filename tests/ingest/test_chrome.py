@@ -124,8 +124,13 @@ def test_accelerator_events_are_chosen_over_cpu_and_privateuse1_reads_as_npu(raw
     assert len(tr.blocks) == sum(1 for e in mem[: len(mem) // 2] if e["args"]["Bytes"] > 0)
     cpu = trace_from_chrome(data, "t.json", device="cpu")
     assert cpu.metadata["target_device"] == "cpu"
+    assert trace_from_chrome(data, "t.json", device="npu").metadata["target_device"] == "npu:0"
     with pytest.raises(IngestError, match="no memory events on device 'cuda'"):
         trace_from_chrome(data, "t.json", device="cuda")
+    for e in mem[:2]:
+        e["args"]["Device Id"] = 1
+    with pytest.raises(IngestError, match="device 'npu' is ambiguous"):
+        trace_from_chrome(data, "t.json", device="npu")
 
 
 def test_bytes_held_before_the_trace_become_one_resident_block(raw):

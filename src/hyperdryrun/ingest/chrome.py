@@ -144,10 +144,15 @@ def choose_device(devices: Counter[str], wanted: str | None, source: str) -> str
     """``wanted`` if given (checked), else the accelerator with the most events, else the CPU."""
     if wanted is not None:
         wanted = normalize_device(wanted)
-        if not any(d == wanted or d.partition(":")[0] == wanted for d in devices):
-            have = ", ".join(sorted(devices)) or "none"
+        matching = sorted(d for d in devices if d == wanted or d.partition(":")[0] == wanted)
+        have = ", ".join(sorted(devices)) or "none"
+        if not matching:
             raise IngestError(source, f"no memory events on device {wanted!r} (devices: {have})")
-        return wanted
+        if len(matching) > 1:
+            raise IngestError(
+                source, f"device {wanted!r} is ambiguous (devices: {have}); name one with its index"
+            )
+        return matching[0]
     accel = [(n, d) for d, n in devices.items() if not d.startswith("cpu")]
     if accel:
         return sorted(accel, key=lambda nd: (-nd[0], nd[1]))[0][1]
@@ -182,8 +187,7 @@ def chrome_events(
     chosen = choose_device(devices, device, source)
 
     def on_device(e: dict[str, Any]) -> bool:
-        name = device_name(e["args"].get("Device Type", 0), e["args"].get("Device Id", -1))
-        return name == chosen or name.partition(":")[0] == chosen
+        return device_name(e["args"].get("Device Type", 0), e["args"].get("Device Id", -1)) == chosen
 
     mine = sorted((m for m in memory if on_device(m[2])), key=lambda m: (m[1], m[0]))
     by_thread: dict[tuple[Any, Any], list[tuple[int, int, dict[str, Any]]]] = defaultdict(list)
