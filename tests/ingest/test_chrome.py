@@ -164,3 +164,74 @@ def test_truncated_gzip_is_an_error(tmp_path):
     path.write_bytes(FIXTURE.read_bytes()[:2000])
     with pytest.raises(IngestError, match="corrupt gzip"):
         load_any(path)
+
+
+def _x(cat: str, name: str, ts: float, dur: float, tid: int) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": {}}
+
+
+def _mem(ts: float, addr: int, nbytes: int, total: int, tid: int, device_type: int = 1) -> dict:
+    args = {"Addr": addr, "Bytes": nbytes, "Total Allocated": total, "Total Reserved": 0}
+    args |= {"Device Type": device_type, "Device Id": 0 if device_type else -1}
+    return {
+        "ph": "i",
+        "cat": "cpu_instant_event",
+        "s": "t",
+        "name": "[memory]",
+        "pid": 1,
+        "tid": tid,
+        "ts": ts,
+        "args": args,
+    }
+
+
+def gpu_like_trace() -> dict:
+    """A hand-written CUDA-style trace: forward on the main thread, backward on the autograd device thread,
+    10000 B already allocated when profiling began (512 B of it freed in the window), one CPU event to ignore."""
+    main, engine = 1, 2
+    events = [
+        _x("python_function", "train.py(10): step", 0, 1000, main),
+        _x("python_function", "nn.Module: Net_0", 10, 100, main),
+        _x("python_function", "nn.Module: Linear_0", 20, 50, main),
+        _x("cpu_op", "aten::linear", 25, 40, main),
+        _x("cpu_op", "aten::addmm", 30, 20, main),
+        _x("cpu_op", "aten::empty", 31, 2, main),
+        _mem(32, 0xA, 1024, 11024, main),
+        _mem(50, 0xF, 64, 64, main, device_type=0),
+        _x("python_function", "torch/autograd/__init__.py(200): backward", 200, 300, main),
+        _x("cpu_op", "autograd::engine::evaluate_function: AddmmBackward0", 210, 50, engine),
+        _x("cpu_op", "AddmmBackward0", 211, 47, engine),
+        _x("cpu_op", "aten::mm", 215, 10, engine),
+        _mem(220, 0xB, 2048, 13072, engine),
+        _mem(230, 0xA, -1024, 12048, engine),
+        _mem(240, 0xD, -512, 11536, engine),
+        _x("user_annotation", "Optimizer.step#SGD.step", 600, 100, main),
+        _x("cpu_op", "aten::_foreach_add", 610, 20, main),
+        _mem(615, 0xC, 4096, 15632, main),
+        _mem(800, 0xB, -2048, 13584, main),
+    ]
+    return {"schemaVersion": 1, "traceEvents": events}
+
+
+def test_a_gpu_style_trace_gives_the_hand_worked_blocks_and_peak():
+    tr = trace_from_chrome(gpu_like_trace(), "gpu.json")
+    assert tr.metadata["target_device"] == "cuda:0"
+    rows = [(b.size, b.op, b.phase, b.module, b.persistent) for b in tr.blocks]
+    assert rows == [
+        (10000 - 512, "resident before trace", Phase.INITIALIZATION, "", True),
+        (
+            512,
+            "initialization",
+            Phase.INITIALIZATION,
+            "",
+            False,
+        ),  # freed in the window, never allocated there
+        (1024, "aten::addmm", Phase.FORWARD, "Net_0.Linear_0", False),  # through aten::empty: the op is addmm
+        (2048, "aten::mm", Phase.BACKWARD, "", False),  # the autograd thread's own enclosing ops
+        (4096, "aten::_foreach_add", Phase.OPTIMIZER, "", True),
+    ]
+    assert tr.stacks.frames(tr.blocks[2].stack_id) == (("train.py", 10, "step"),)
+    assert (tr.initial, tr.peak, tr.current) == (10000, 15632, 13584)
+    assert tr.phase_peak == {Phase.FORWARD: 11024, Phase.BACKWARD: 13072, Phase.OPTIMIZER: 15632}
+    cpu = trace_from_chrome(gpu_like_trace(), "gpu.json", device="cpu")
+    assert [b.size for b in cpu.blocks] == [64]
