@@ -124,7 +124,13 @@ def unmatched_blocks(
 
 
 def compare(a: Side, b: Side, tolerance: float = DEFAULT_TOLERANCE, top: int = TOP_BLOCKS) -> dict[str, Any]:
-    """The comparison as plain data (the ``--json`` output); ``within_tolerance`` decides the exit code."""
+    """The comparison as plain data (the ``--json`` output); ``within_tolerance`` decides the exit code.
+
+    Keys: ``a``/``b`` (source, kind, peak phase and op), ``peak`` and every figure as ``{a, b, diff, rel_error}``,
+    ``tolerance``, ``within_tolerance``, ``categories_at_peak``, ``phases``, ``modules`` (names both sides know),
+    ``blocks`` (``matching`` rule, ``live_sets_complete``, ``only_in_a``/``only_in_b``: count, bytes, ``top``
+    largest).
+    """
     ra, rb = a.report, b.report
     sa, sb = ra["summary"], rb["summary"]
     peak = _pair(sa["peak_bytes"], sb["peak_bytes"])
@@ -178,8 +184,9 @@ def compare(a: Side, b: Side, tolerance: float = DEFAULT_TOLERANCE, top: int = T
     }
 
 
-def print_comparison(result: dict[str, Any], console: Any = None) -> None:
-    """The human view of :func:`compare`'s result: rich tables, bytes in GiB/MiB, differences as B - A."""
+def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP_BLOCKS) -> None:
+    """The human view of :func:`compare`'s result: rich tables, bytes in GiB/MiB, differences as B - A (module
+    rows: the ``top`` largest differences; ``--json`` has them all)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -221,7 +228,8 @@ def print_comparison(result: dict[str, Any], console: Any = None) -> None:
         for m in result["modules"]:
             rows.append((f"{m['module']} fw", m["forward_peak_bytes"]))
             rows.append((f"{m['module']} bw", m["backward_peak_bytes"]))
-        table("module local peaks", rows)
+        ranked = sorted(rows, key=lambda r: -abs(r[1]["diff"] or 0))[:top]
+        table(f"module local peaks ({len(ranked)} of {len(rows)}, largest |B - A| first)", ranked)
     for side in ("a", "b"):
         info = result["blocks"][f"only_in_{side}"]
         if not info["count"]:

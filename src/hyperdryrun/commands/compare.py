@@ -67,5 +67,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2, allow_nan=False))
     else:
-        print_comparison(result)
+        print_comparison(result, top=args.top)
     return 0 if result["within_tolerance"] else 1
