@@ -89,6 +89,7 @@ def test_device_is_chosen_and_checked():
     tr = trace_from_snapshot(data)
     assert tr.metadata["target_device"] == "cuda:1"
     assert tr.peak == 14 * MIB + 1024
+    assert trace_from_snapshot(data, device="cuda").metadata["target_device"] == "cuda:1"
     with pytest.raises(IngestError, match=r"no trace for device 'cuda:0'"):
         trace_from_snapshot(data, "s.pickle", device="cuda:0")
 

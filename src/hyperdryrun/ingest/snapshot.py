@@ -87,7 +87,7 @@ def check_snapshot(data: Any, source: str) -> None:
 
 
 def _pick_device(traces: list[list[dict[str, Any]]], device: str | None, source: str) -> int:
-    if device is not None:
+    if device is not None and normalize_device(device) != "cuda":
         name = normalize_device(device)
         kind, _, index = name.partition(":")
         if kind != "cuda" or not index.isdigit() or int(index) >= len(traces) or not traces[int(index)]:
