@@ -1,0 +1,71 @@
+"""``hyperdryrun compare A B``: how far B's memory picture is from A's; exit 0 within ``--tolerance``, else 1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from hyperdryrun.compare import DEFAULT_TOLERANCE, TOP_BLOCKS, Side, as_report, compare, print_comparison
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``compare`` parser (with the subparsers' own parser class) and its handler."""
+    p = subparsers.add_parser(
+        "compare",
+        help="compare two reports, memory-block CSVs, profiler Chrome traces or CUDA snapshots (A: reference)",
+        description="Peak error of B relative to A, per-category bytes at each side's peak, phase peaks, module "
+        "local peaks and the largest blocks alive at one side's peak that the other lacks. Exit 0 when "
+        "|relative peak error| <= --tolerance, 1 otherwise, 2 on bad input.",
+    )
+    p.add_argument(
+        "a", metavar="A", help="reference: report .json, block .csv, trace .json[.gz] or snapshot .pickle"
+    )
+    p.add_argument("b", metavar="B", help="the other side, any of the same kinds")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help=f"largest |relative peak error| that passes (default {DEFAULT_TOLERANCE})",
+    )
+    p.add_argument("--device", default=None, help="device of a multi-device trace or snapshot (e.g. cuda:1)")
+    p.add_argument(
+        "--top", type=int, default=TOP_BLOCKS, help=f"unmatched blocks listed per side ({TOP_BLOCKS})"
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(func=run)
+
+
+def _side(path: str, device: str | None) -> Side:
+    from hyperdryrun.ingest.load import load_any
+
+    loaded = load_any(path, device)
+    if isinstance(loaded, dict):
+        kind = f"report ({(loaded.get('metadata') or {}).get('mode', 'dry-run')})"
+    else:
+        kind = str(loaded.metadata.get("source_kind", "trace"))
+    return Side(path, kind, as_report(loaded))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load both sides, compare, print; 0/1 by tolerance, 2 (one-line error) on bad input."""
+    from hyperdryrun.cli import _fail
+    from hyperdryrun.ingest.load import IngestError
+
+    debug = getattr(args, "debug", False)
+    if not math.isfinite(args.tolerance) or args.tolerance < 0:
+        return _fail(f"--tolerance {args.tolerance} must be a finite number >= 0", ValueError(), debug)
+    if args.top < 0:
+        return _fail(f"--top {args.top} must be >= 0", ValueError(), debug)
+    try:
+        a, b = _side(args.a, args.device), _side(args.b, args.device)
+    except IngestError as err:
+        return _fail(str(err), err, debug)
+    result = compare(a, b, args.tolerance, args.top)
+    if args.json:
+        print(json.dumps(result, indent=2, allow_nan=False))
+    else:
+        print_comparison(result, top=args.top)
+    return 0 if result["within_tolerance"] else 1

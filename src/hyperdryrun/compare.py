@@ -1,0 +1,251 @@
+"""Compare two memory pictures of one step (reports, CSVs, profiler traces, snapshots): how far B is from A.
+
+A is the reference (e.g. the measured run), B the estimate (e.g. the dry run): every difference is ``B - A`` and
+every relative error is ``(B - A) / A``. Both sides are first turned into the same report dict
+(:func:`hyperdryrun.report.build_report` with the whole peak live set), so each figure is computed by one code path.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from hyperdryrun.report.build import build_report
+from hyperdryrun.trace.blocks import CATEGORY_ORDER, STEP_PHASES
+
+DEFAULT_TOLERANCE = 0.01
+TOP_BLOCKS = 10
+MATCHING = (
+    "blocks alive at each side's peak are paired greedily, first by (size, op, module), then by (size, op), "
+    "then by (size, phase), then by size alone; op names are compared without their 'aten::'/'aten.' prefix and overload. "
+    "What stays unpaired is listed, largest first."
+)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a comparison: its report dict (full peak live set) and where it came from."""
+
+    source: str
+    kind: str
+    report: dict[str, Any]
+
+
+def as_report(loaded: Any) -> dict[str, Any]:
+    """A report dict from what :func:`hyperdryrun.ingest.load.load_any` returns (a report dict or a StepTrace)."""
+    if isinstance(loaded, dict):
+        return loaded
+    return build_report(loaded, live_set_limit=len(loaded.blocks))
+
+
+def norm_op(op: str) -> str:
+    """``aten::mm`` / ``aten.mm.default`` / ``mm`` -> ``mm``: the dry run names ops by overload packet."""
+    for prefix in ("aten::", "aten."):
+        if op.startswith(prefix):
+            op = op[len(prefix) :]
+            break
+    return op.split(".", 1)[0]
+
+
+def relative(a: int, b: int) -> float | None:
+    """``(b - a) / a``; 0.0 when both are zero; None when only ``a`` is zero (no finite relative error)."""
+    if a == 0:
+        return 0.0 if b == 0 else None
+    return round((b - a) / a, 9)
+
+
+def _pair(x: int | None, y: int | None) -> dict[str, Any]:
+    diff = None if x is None or y is None else y - x
+    rel = None if diff is None else relative(x, y)
+    return {"a": x, "b": y, "diff": diff, "rel_error": rel}
+
+
+def _modules(ra: dict[str, Any], rb: dict[str, Any]) -> list[dict[str, Any]]:
+    """Forward and backward local peaks of the modules both sides know by the same name."""
+    ma = {m["fqn"]: m for m in ra.get("modules") or []}
+    mb = {m["fqn"]: m for m in rb.get("modules") or []}
+    rows = []
+    for fqn in sorted(ma.keys() & mb.keys()):
+        rows.append(
+            {
+                "module": fqn,
+                "forward_peak_bytes": _pair(
+                    ma[fqn].get("forward_peak_bytes"), mb[fqn].get("forward_peak_bytes")
+                ),
+                "backward_peak_bytes": _pair(
+                    ma[fqn].get("backward_peak_bytes"), mb[fqn].get("backward_peak_bytes")
+                ),
+            }
+        )
+    return rows
+
+
+def _block_view(b: dict[str, Any]) -> dict[str, Any]:
+    return {k: b.get(k) for k in ("size", "category", "op", "module", "phase", "id")}
+
+
+def unmatched_blocks(
+    blocks_a: list[dict[str, Any]], blocks_b: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The blocks of each live set left without a partner after the pairing in :data:`MATCHING`, largest first."""
+    keys = (
+        lambda b: (b["size"], norm_op(b.get("op") or ""), b.get("module") or ""),
+        lambda b: (b["size"], norm_op(b.get("op") or "")),
+        lambda b: (b["size"], b.get("phase") or ""),
+        lambda b: (b["size"],),
+    )
+    left_a, left_b = list(blocks_a), list(blocks_b)
+    for key in keys:
+        counts_b = Counter(key(b) for b in left_b)
+        counts_a = Counter(key(b) for b in left_a)
+        paired = counts_a & counts_b
+        take_a, take_b = Counter(paired), Counter(paired)
+        next_a = []
+        for b in left_a:
+            k = key(b)
+            if take_a[k] > 0:
+                take_a[k] -= 1
+            else:
+                next_a.append(b)
+        next_b = []
+        for b in left_b:
+            k = key(b)
+            if take_b[k] > 0:
+                take_b[k] -= 1
+            else:
+                next_b.append(b)
+        left_a, left_b = next_a, next_b
+
+    def order(bs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return sorted(bs, key=lambda b: (-b["size"], b.get("id") or 0))
+
+    return order(left_a), order(left_b)
+
+
+def compare(a: Side, b: Side, tolerance: float = DEFAULT_TOLERANCE, top: int = TOP_BLOCKS) -> dict[str, Any]:
+    """The comparison as plain data (the ``--json`` output); ``within_tolerance`` decides the exit code.
+
+    Keys: ``a``/``b`` (source, kind, peak phase and op), ``peak`` and every figure as ``{a, b, diff, rel_error}``,
+    ``tolerance``, ``within_tolerance``, ``categories_at_peak``, ``phases``, ``modules`` (names both sides know),
+    ``blocks`` (``matching`` rule, ``live_sets_complete``, ``only_in_a``/``only_in_b``: count, bytes, ``top``
+    largest).
+    """
+    ra, rb = a.report, b.report
+    sa, sb = ra["summary"], rb["summary"]
+    peak = _pair(sa["peak_bytes"], sb["peak_bytes"])
+    rel = peak["rel_error"]
+    cats_a, cats_b = sa["breakdown_at_peak"], sb["breakdown_at_peak"]
+    categories = {
+        str(c): _pair(int(cats_a.get(str(c), 0)), int(cats_b.get(str(c), 0))) for c in CATEGORY_ORDER
+    }
+    pa, pb = ra.get("phases") or {}, rb.get("phases") or {}
+    phases = {
+        str(p): _pair(pa.get(str(p), {}).get("peak_bytes"), pb.get(str(p), {}).get("peak_bytes"))
+        for p in STEP_PHASES
+        if str(p) in pa or str(p) in pb
+    }
+    la, lb = ra["peak_live_set"], rb["peak_live_set"]
+    only_a, only_b = unmatched_blocks(la["blocks"], lb["blocks"])
+    complete = la["shown"] == la["num_blocks"] and lb["shown"] == lb["num_blocks"]
+    return {
+        "a": {
+            "source": a.source,
+            "kind": a.kind,
+            "peak_phase": sa.get("peak_phase"),
+            "peak_op": sa.get("peak_op"),
+        },
+        "b": {
+            "source": b.source,
+            "kind": b.kind,
+            "peak_phase": sb.get("peak_phase"),
+            "peak_op": sb.get("peak_op"),
+        },
+        "peak": peak,
+        "tolerance": tolerance,
+        "within_tolerance": rel is not None and abs(rel) <= tolerance,
+        "categories_at_peak": categories,
+        "phases": phases,
+        "modules": _modules(ra, rb),
+        "blocks": {
+            "matching": MATCHING,
+            "live_sets_complete": complete,
+            "only_in_a": {
+                "count": len(only_a),
+                "bytes": sum(x["size"] for x in only_a),
+                "largest": [_block_view(x) for x in only_a[:top]],
+            },
+            "only_in_b": {
+                "count": len(only_b),
+                "bytes": sum(x["size"] for x in only_b),
+                "largest": [_block_view(x) for x in only_b[:top]],
+            },
+        },
+    }
+
+
+def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP_BLOCKS) -> None:
+    """The human view of :func:`compare`'s result: rich tables, bytes in GiB/MiB, differences as B - A (module
+    rows: the ``top`` largest differences; ``--json`` has them all)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from hyperdryrun.report.schema import human_bytes
+
+    console = console or Console()
+
+    def fmt(n: int | None) -> str:
+        return "-" if n is None else human_bytes(n)
+
+    def pct(r: float | None) -> str:
+        return "-" if r is None else f"{100 * r:+.3f}%"
+
+    p = result["peak"]
+    verdict = "[green]within[/]" if result["within_tolerance"] else "[red]outside[/]"
+    console.print(f"A: {result['a']['source']} ({result['a']['kind']})")
+    console.print(f"B: {result['b']['source']} ({result['b']['kind']})")
+    console.print(
+        f"peak A {fmt(p['a'])} ({p['a']:,} B), B {fmt(p['b'])} ({p['b']:,} B): "
+        f"B - A = {p['diff']:+,} B ({pct(p['rel_error'])}), {verdict} tolerance {100 * result['tolerance']:g}%"
+    )
+
+    def table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> None:
+        t = Table(title=title, title_justify="left", show_edge=False)
+        for col in ("", "A", "B", "B - A", "rel"):
+            t.add_column(col, justify="left" if not col else "right")
+        for name, row in rows:
+            diff = "-" if row["diff"] is None else f"{row['diff']:+,} B"
+            t.add_row(name, fmt(row["a"]), fmt(row["b"]), diff, pct(row["rel_error"]))
+        console.print(t)
+
+    table(
+        "categories at each side's peak",
+        [(c, r) for c, r in result["categories_at_peak"].items() if r["a"] or r["b"]],
+    )
+    table("phase peaks", list(result["phases"].items()))
+    if result["modules"]:
+        rows = []
+        for m in result["modules"]:
+            rows.append((f"{m['module']} fw", m["forward_peak_bytes"]))
+            rows.append((f"{m['module']} bw", m["backward_peak_bytes"]))
+        ranked = sorted(rows, key=lambda r: -abs(r[1]["diff"] or 0))[:top]
+        table(f"module local peaks ({len(ranked)} of {len(rows)}, largest |B - A| first)", ranked)
+    for side in ("a", "b"):
+        info = result["blocks"][f"only_in_{side}"]
+        if not info["count"]:
+            console.print(f"every block alive at {side.upper()}'s peak has a partner in the other live set")
+            continue
+        t = Table(
+            title=f"only in {side.upper()}'s peak live set: {info['count']} blocks, {fmt(info['bytes'])}",
+            title_justify="left",
+            show_edge=False,
+        )
+        for col in ("MiB", "category", "op", "module", "phase"):
+            t.add_column(col, justify="right" if col == "MiB" else "left", overflow="fold")
+        for b in info["largest"]:
+            t.add_row(f"{b['size'] / (1 << 20):,.3f}", b["category"], b["op"], b["module"], b["phase"])
+        console.print(t)
+    if not result["blocks"]["live_sets_complete"]:
+        console.print(
+            "[yellow]a side's peak live set is truncated (JSON without its CSV): block lists partial[/]"
+        )

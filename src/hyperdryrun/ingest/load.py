@@ -1,0 +1,286 @@
+"""Open any memory picture by what it is: a HyperDryRun JSON report (with its CSV beside it), a memory-block CSV,
+a profiler Chrome trace (``.json`` / ``.json.gz``) or a CUDA snapshot pickle.
+
+Every failure is one :class:`IngestError` whose message is one line naming the file and what is wrong; loading
+never writes anything.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import os
+import pickle
+import sysconfig
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from hyperdryrun.engine import StepTrace
+
+PICKLE_MAGIC = b"\x80"
+_STDLIB = sysconfig.get_paths()["stdlib"].replace("\\", "/").rstrip("/") + "/"
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class IngestError(ValueError):
+    """A file that cannot be read as a memory picture: ``<file>: <what is wrong>`` on one line."""
+
+    def __init__(self, source: str | os.PathLike, problem: str) -> None:
+        super().__init__(f"{source}: {' '.join(str(problem).split())}")
+        self.source, self.problem = str(source), problem
+
+
+def user_file(filename: str) -> bool:
+    """Whether a recorded frame's file is user code (not torch, the interpreter, C++ or hyperdryrun machinery).
+
+    Traces store paths relative to ``sys.path`` entries (``torch/nn/modules/module.py``) or absolute ones.
+    """
+    f = filename.replace("\\", "/")
+    if os.path.isabs(f) and f.startswith(_STDLIB) and "-packages/" not in f:
+        return False
+    if f and not os.path.isabs(f) and os.path.exists(_STDLIB + f):
+        return False  # traces name files relative to their sys.path entry: one found in the stdlib is
+    if not f or f.startswith(("<", "??")) or f.endswith((".cpp", ".h", ".cu", ".cc", ".hpp")):
+        return False
+    if f.startswith("torch/") or "/torch/" in f or "/_pytest/" in f or "/pluggy/" in f:
+        return False
+    if f.startswith("hyperdryrun/") or "/hyperdryrun/" in f:
+        return "hyperdryrun/models/" in f
+    return True
+
+
+class _NoObjects(pickle.Unpickler):
+    """A snapshot is dicts, lists, strings and numbers: refuse any class, so a foreign pickle runs no code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it references {module}.{name}")
+
+
+def _read_bytes(path: Path) -> bytes:
+    if not path.exists():
+        raise IngestError(path, "no such file")
+    if path.is_dir():
+        raise IngestError(path, "is a directory, not a file")
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise IngestError(path, f"cannot read: {err.strerror or err}") from None
+
+
+def _json(path: Path, raw: bytes) -> Any:
+    if raw[:2] == GZIP_MAGIC:
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as err:
+            raise IngestError(path, f"corrupt gzip data ({err})") from None
+    if not raw.strip():
+        raise IngestError(path, "empty file")
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        raise IngestError(path, "not UTF-8 text (neither JSON nor CSV)") from None
+    except json.JSONDecodeError as err:
+        raise IngestError(
+            path, f"invalid or truncated JSON at line {err.lineno} column {err.colno}"
+        ) from None
+
+
+def _snapshot(path: Path, raw: bytes) -> Any:
+    try:
+        return _NoObjects(io.BytesIO(raw)).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as err:
+        raise IngestError(path, f"not a CUDA memory snapshot pickle ({err})") from None
+
+
+def _is_report(data: Any) -> bool:
+    return isinstance(data, dict) and "schema_version" in data and "status" in data
+
+
+def _is_chrome(data: Any) -> bool:
+    if isinstance(data, dict):
+        return isinstance(data.get("traceEvents"), list)
+    return isinstance(data, list) and bool(data) and all(isinstance(e, dict) and "ph" in e for e in data[:50])
+
+
+def load_report(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """A report dict; with its CSV beside it, ``peak_live_set`` holds every block alive at the peak (from the CSV,
+    checked against the JSON's peak) so a comparison sees the whole live set, not the first ``live_set_limit``."""
+    from hyperdryrun.report.build import block_record
+    from hyperdryrun.report.schema import JSON_KEYS
+
+    if data.get("status") == "error":
+        err = data.get("error") or {}
+        raise IngestError(path, f"an error report (stage {data.get('stage')}: {err.get('message', '?')})")
+    missing = [k for k in JSON_KEYS if k not in data]
+    if missing:
+        raise IngestError(path, f"report lacks {', '.join(missing)}")
+    summary = data.get("summary")
+    if not isinstance(summary, dict) or not isinstance(summary.get("peak_bytes"), int):
+        raise IngestError(path, "report summary has no integer peak_bytes")
+    csv_path = path.with_suffix(".csv")
+    if not csv_path.exists():
+        return data
+    trace = load_csv(csv_path)
+    peak_task = summary.get("peak_task", -1)
+    at_peak = [b for b in trace.blocks if b.start <= peak_task < b.end] if peak_task >= 0 else []
+    total = sum(b.size for b in at_peak)
+    if total != summary["peak_bytes"]:
+        raise IngestError(
+            csv_path,
+            f"blocks alive at task {peak_task} sum to {total} B, the report's peak is {summary['peak_bytes']} B",
+        )
+    ranked = sorted(at_peak, key=lambda b: (-b.size, b.id))
+    out = dict(data)
+    out["peak_live_set"] = {
+        **data["peak_live_set"],
+        "num_blocks": len(at_peak),
+        "total_bytes": total,
+        "shown": len(ranked),
+        "rest_bytes": 0,
+        "blocks": [block_record(trace, b) for b in ranked],
+    }
+    return out
+
+
+def load_csv(path: Path, text: str | None = None) -> StepTrace:
+    """A memory-block CSV alone -> StepTrace (see :func:`trace_from_csv`)."""
+    if text is None:
+        raw = _read_bytes(path)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise IngestError(path, "not UTF-8 text (not a memory-block CSV)") from None
+    return trace_from_csv(csv.reader(io.StringIO(text)), str(path))
+
+
+def _stack(text: str) -> tuple[tuple[str, int, str], ...]:
+    frames = []
+    for part in text.split("|") if text else ():
+        fields = dict(kv.split(":", 1) for kv in part.split(";", 2))
+        frames.append((fields["File"], int(fields["Line"]), fields["Function"]))
+    return tuple(frames)
+
+
+def trace_from_csv(rows: Iterable[list[str]], source: str) -> StepTrace:
+    """Blocks from a memory-block CSV, and the tasks, peak and phase peaks rebuilt from their lifetimes.
+
+    Exact: blocks, live bytes per task, the peak and the live set at any task. Approximate: the CSV names the op
+    and phase of allocating tasks only, so a task that allocates nothing takes those of the latest task before it
+    (a phase peak at such a task may land in the phase before); per-module statistics and micro batches are not in
+    the CSV and stay empty / 0.
+    """
+    from hyperdryrun.ingest.events import FrameTable
+    from hyperdryrun.report.schema import CSV_COLUMNS
+    from hyperdryrun.trace.blocks import PERSISTENT_END, Block, Category, Phase, live_bytes_by_task
+
+    it = iter(rows)
+    header = next(it, None)
+    if header is None:
+        raise IngestError(source, "empty file")
+    if tuple(header) != CSV_COLUMNS:
+        raise IngestError(source, f"not a memory-block CSV (header starts {','.join(header[:3])!r})")
+    stacks = FrameTable()
+    blocks: list[Block] = []
+    for n, row in enumerate(it, start=2):
+        if not row:
+            continue
+        try:
+            if len(row) != len(CSV_COLUMNS):
+                raise ValueError(f"{len(row)} fields, expected {len(CSV_COLUMNS)}")
+            users = row[17].strip("{}")
+            blocks.append(
+                Block(
+                    id=len(blocks),
+                    size=int(row[7]),
+                    requested=int(row[7]),
+                    start=int(row[0]),
+                    op=row[15],
+                    phase=Phase(row[14]),
+                    module=row[16],
+                    stack_id=stacks.intern(_stack(row[19])),
+                    addr=int(row[4]),
+                    end=int(row[1]),
+                    category=Category(row[12]),
+                    users=[int(u) for u in users.split("-")] if users else [],
+                    used_after_alloc=int(row[8]),
+                    peak_after_alloc=int(row[9]),
+                    start_plot=float(row[2]),
+                    end_plot=float(row[3]),
+                )
+            )
+        except (ValueError, KeyError, IndexError) as err:
+            raise IngestError(source, f"line {n}: {err}") from None
+    if not blocks:
+        raise IngestError(source, "no blocks (header only)")
+    last = 0
+    for b in blocks:
+        last = max(last, b.start, *(b.users or [0]), b.end - 1 if b.end != PERSISTENT_END else 0)
+    num_tasks = last + 1
+    task_op: list[str | None] = [None] * num_tasks
+    task_phase: list[Phase | None] = [None] * num_tasks
+    for b in blocks:
+        if b.phase is not Phase.INITIALIZATION and task_op[b.start] is None:
+            task_op[b.start], task_phase[b.start] = b.op, b.phase
+    op, phase = "initialization", Phase.INITIALIZATION
+    for t in range(num_tasks):
+        if task_op[t] is None:
+            task_op[t], task_phase[t] = op, phase
+        op, phase = task_op[t], task_phase[t]
+    live = live_bytes_by_task(blocks, num_tasks)
+    peak = max(live)
+    phase_peak: dict[Phase, int] = {}
+    for ph, nbytes in zip(task_phase, live, strict=True):
+        phase_peak[ph] = max(phase_peak.get(ph, 0), nbytes)
+    return StepTrace(
+        blocks=blocks,
+        num_tasks=num_tasks,
+        task_phase=task_phase,  # type: ignore[arg-type]
+        task_op=task_op,  # type: ignore[arg-type]
+        peak=peak,
+        peak_task=live.index(peak),
+        current=sum(b.size for b in blocks if b.persistent),
+        phase_peak=phase_peak,
+        modules={},
+        stacks=stacks,
+        initial=sum(b.size for b in blocks if b.phase is Phase.INITIALIZATION),
+        metadata={"mode": "ingested", "source_kind": "block_csv", "source": source},
+        limitations=[
+            "from a memory-block CSV alone: no per-module statistics; phases of tasks that allocate "
+            "nothing are inferred"
+        ],
+    )
+
+
+def load_any(path: str | os.PathLike, device: str | None = None) -> StepTrace | dict[str, Any]:
+    """The memory picture in ``path``: a report dict for a HyperDryRun JSON report, a StepTrace otherwise.
+
+    The kind comes from the content (pickle or gzip magic, JSON shape, CSV header), not the file name.
+    ``device`` picks one device of a multi-device trace or snapshot (default: the accelerator with most events).
+    """
+    p = Path(path)
+    raw = _read_bytes(p)
+    if not raw:
+        raise IngestError(p, "empty file")
+    if raw[:1] == PICKLE_MAGIC:
+        from hyperdryrun.ingest.snapshot import trace_from_snapshot
+
+        return trace_from_snapshot(_snapshot(p, raw), str(p), device)
+    head = raw.lstrip()[:1]
+    if raw[:2] == GZIP_MAGIC or head in (b"{", b"["):
+        data = _json(p, raw)
+        if _is_report(data):
+            return load_report(p, data)
+        if _is_chrome(data):
+            from hyperdryrun.ingest.chrome import trace_from_chrome
+
+            return trace_from_chrome(data, str(p), device)
+        raise IngestError(p, "JSON that is neither a HyperDryRun report nor a Chrome trace")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise IngestError(p, "unrecognised file (not JSON, CSV or a snapshot pickle)") from None
+    return load_csv(p, text)

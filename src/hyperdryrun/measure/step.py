@@ -1,0 +1,273 @@
+"""Run the same training step for real and record its allocations with torch.profiler.
+
+The job is the dry run's (same model, parallelisms, optimizer, batches and step function); tensors are real, on
+the CPU (or any real device), so every byte is a real allocation. World size > 1 runs the chosen rank in this
+process with real tensors and the fake process group: collectives allocate their outputs but move no data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from hyperdryrun.engine import (
+    BatchFn,
+    LossFn,
+    ModelFn,
+    OptimizerFn,
+    ParallelizeFn,
+    SimulationError,
+    StepFn,
+    StepTrace,
+    default_optimizer,
+    micro_batch_step,
+)
+from hyperdryrun.ingest.events import trace_from_events
+from hyperdryrun.ingest.profiler import events_from_profiler, mark, mark_micro_batch, resident_events
+from hyperdryrun.trace.blocks import Category
+from hyperdryrun.trace.tracker import clean_fqn, local_tensor
+from hyperdryrun.world import SimulatedWorld
+
+FAKE_PG_LIMITATION = (
+    "measured with real tensors for one rank and the fake process group: collectives allocate their outputs "
+    "but move no data, and the other ranks were not run"
+)
+PROFILER_LIMITATION = (
+    "measured from torch.profiler memory events on the '{device}' allocator: every allocation the step made, "
+    "including scratch buffers inside kernels that a dry run does not see"
+)
+
+
+def measure(
+    model_fn: ModelFn,
+    batch_fn: BatchFn,
+    *,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    parallelize_fn: ParallelizeFn | None = None,
+    optimizer_fn: OptimizerFn | None = None,
+    init_fn: Any = None,
+    world_size: int = 1,
+    rank: int = 0,
+    local_rank: int | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
+    device: str = "cpu",
+    num_micro_batches: int = 1,
+    capture_stacks: bool = True,
+    metadata: dict[str, Any] | None = None,
+) -> StepTrace:
+    """Execute one training step for real, after one untracked warm-up step, and return its measured trace.
+
+    Arguments as :func:`hyperdryrun.engine.simulate`; ``init_fn(model)`` fills the materialised parameters and
+    buffers with real values (default: ``model.init_weights()`` where it exists).
+    """
+    if (loss_fn is None) == (step_fn is None):
+        raise ValueError("give exactly one of loss_fn or step_fn")
+    if num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1")
+    step_fn = step_fn or micro_batch_step(loss_fn, num_micro_batches)
+    optimizer_fn = optimizer_fn or default_optimizer
+    timings: dict[str, float] = {}
+    stage = "world"
+    t0 = time.perf_counter()
+    world = SimulatedWorld(
+        world_size, rank, local_rank, mesh_shape, mesh_dim_names, target_device=device, simulation_device=device
+    )
+    try:
+        with world:
+            stage = "model"
+            with torch.device("meta"):
+                model = model_fn()
+            stage = "parallelize"
+            if parallelize_fn is not None:
+                model = parallelize_fn(model, world.mesh) or model
+            stage = "materialize"
+            model.to_empty(device=device)
+            with torch.no_grad():
+                (init_fn or _default_init)(model)
+            stage = "optimizer"
+            optimizer = optimizer_fn([p for p in model.parameters() if p.requires_grad])
+            dev = torch.device(device)
+
+            def batches(marked: bool) -> Iterator[Any]:
+                for i in range(num_micro_batches):
+                    if marked:
+                        mark_micro_batch(i)
+                    batch = batch_fn(i, dev)
+                    if marked:  # the dry run labels the batch "Other" (it is input, not an activation)
+                        for leaf in tree_leaves(batch):
+                            if isinstance(leaf, torch.Tensor):
+                                mark(leaf, Category.OTHER)
+                    yield batch
+                    del batch
+
+            stage = "warm-up"
+            step_fn(model, optimizer, batches(False))
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            timings["setup"] = time.perf_counter() - t0
+            stage = "step"
+            names = {id(m): clean_fqn(n) for n, m in model.named_modules()}
+            resident = resident_events(_resident_tensors(model, optimizer), device=device)
+            t1 = time.perf_counter()
+            prof = _profile_step(step_fn, model, optimizer, batches(True))
+            timings["step"] = time.perf_counter() - t1
+            stage = "trace"
+            events = events_from_profiler(prof, module_names=names, device=device)
+            if not capture_stacks:
+                events = [dataclasses.replace(e, frames=()) for e in events]
+            del prof
+            trace = trace_from_events(
+                events,
+                resident=resident,
+                metadata={
+                    "world_size": world_size,
+                    "rank": rank,
+                    "local_rank": world.local_rank,
+                    "target_device": device,
+                    "simulation_device": device,
+                    "mesh_shape": list(world.mesh_shape),
+                    "mesh_dim_names": list(world.mesh_dim_names),
+                    "num_micro_batches": num_micro_batches,
+                    "optimizer": type(optimizer).__name__,
+                    **(metadata or {}),
+                    "mode": "measured",
+                },
+                limitations=[PROFILER_LIMITATION.format(device=device)]
+                + ([FAKE_PG_LIMITATION] if world_size > 1 else []),
+                alignment=1,
+                device=device,
+                timings=timings,
+            )
+            del model, optimizer
+    except Exception as err:
+        raise SimulationError(stage, err) from err
+    return trace
+
+
+def _default_init(model: nn.Module) -> None:
+    init = getattr(model, "init_weights", None)
+    if callable(init):
+        init()
+
+
+def _resident_tensors(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """Parameters, buffers, leftover gradients and optimizer states, each with its category and owning module,
+    by the dry run's rules (host-side ``step`` scalars of non-fused, non-capturable optimizers are left out)."""
+    owners: dict[int, str] = {}
+    for name, mod in model.named_modules(remove_duplicate=True):
+        fqn = clean_fqn(name)
+        for p in mod.parameters(recurse=False):
+            if id(p) in owners:
+                continue
+            owners[id(p)] = fqn
+            yield local_tensor(p), Category.PARAMETER, fqn
+            if p.grad is not None:
+                yield local_tensor(p.grad), Category.GRADIENT, fqn
+        for b in mod.buffers(recurse=False):
+            yield b, Category.BUFFER, fqn
+    for group in optimizer.param_groups:
+        host_step = not (group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            for key, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and not (key == "step" and host_step and v.dim() == 0):
+                    yield local_tensor(v), Category.OPTSTATE, owners.get(id(p), "")
+
+
+def _profile_step(step_fn: StepFn, model: nn.Module, optimizer: torch.optim.Optimizer, batches) -> Any:
+    """The step under torch.profiler, with markers for the roles of parameters, gradients and states."""
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    from torch.profiler import ProfilerActivity, profile
+
+    def note_module(mod: nn.Module, *_: Any) -> None:
+        for p in mod._parameters.values():
+            if p is not None:
+                mark(local_tensor(p), Category.PARAMETER)
+        for b in mod._buffers.values():
+            if b is not None:
+                mark(b, Category.BUFFER)
+
+    def note_grads(opt: torch.optim.Optimizer, *_: Any) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    mark(local_tensor(p.grad), Category.GRADIENT)
+
+    def note_states(opt: torch.optim.Optimizer, *_: Any) -> None:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    mark(local_tensor(v), Category.OPTSTATE)
+
+    handles = [
+        register_module_forward_pre_hook(note_module),
+        register_module_forward_hook(note_module),
+        register_optimizer_step_pre_hook(note_grads),
+        register_optimizer_step_post_hook(note_states),
+    ]
+    try:
+        with profile(
+            activities=[ProfilerActivity.CPU],
+            profile_memory=True,
+            record_shapes=True,
+            with_stack=True,  # also what names modules (nn.Module calls are Python-tracer events)
+        ) as prof:
+            step_fn(model, optimizer, batches)
+    finally:
+        for h in handles:
+            h.remove()
+    return prof
+
+
+def init_llama(model: nn.Module) -> None:
+    """Real values for the built-in Llama: weights ~ N(0, 1/dim) (norms 1) on each rank's local shard, and the
+    RoPE cache recomputed (``to_empty`` left it uninitialised)."""
+    from hyperdryrun.models.llama import rope_cache
+
+    args = model.args
+    for name, p in model.named_parameters():
+        local = local_tensor(p)
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+        else:
+            local.normal_(std=args.dim**-0.5)
+    cache = model.rope_cache
+    cache.copy_(rope_cache(args.head_dim, cache.shape[0], args.rope_theta).to(cache.dtype))
+
+
+def measure_job(cfg: Any, capture_stacks: bool = True, device: str = "cpu") -> StepTrace:
+    """Measure the built-in recipe for the rank that ``cfg`` names (the job :func:`hyperdryrun.recipe.run_job`
+    dry-runs), with real tensors on ``device``."""
+    from hyperdryrun.parallel import MESH_DIMS, ParallelDims, build_optimizer, parallelize_llama
+    from hyperdryrun.recipe import batch_fn, job_metadata, llama_loss, loss_context, model_fn
+
+    dims = ParallelDims.from_config(cfg)
+    return measure(
+        model_fn(cfg),
+        batch_fn(cfg),
+        step_fn=micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg)),
+        parallelize_fn=lambda model, mesh: parallelize_llama(model, mesh, cfg),
+        optimizer_fn=lambda params: build_optimizer(params, cfg),
+        init_fn=init_llama,
+        world_size=cfg.world.world_size,
+        rank=cfg.world.rank,
+        local_rank=cfg.local_rank,
+        mesh_shape=dims.mesh_shape,
+        mesh_dim_names=MESH_DIMS,
+        device=device,
+        num_micro_batches=cfg.training.num_micro_batches,
+        capture_stacks=capture_stacks,
+        metadata=job_metadata(cfg),
+    )
