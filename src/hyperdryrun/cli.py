@@ -7,10 +7,11 @@ from collections.abc import Sequence
 
 from hyperdryrun import __version__
 from hyperdryrun.commands import OneLineParser
+from hyperdryrun.commands import compare as compare_command
 from hyperdryrun.commands import run as run_command
 from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, config_from_args  # noqa: F401  (public re-exports)
 
-COMMANDS = [run_command]
+COMMANDS = [run_command, compare_command]
 """Each module registers one subcommand (memray's layout: one small module per command)."""
 
 

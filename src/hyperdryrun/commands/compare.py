@@ -51,7 +51,7 @@ def _side(path: str, device: str | None) -> Side:
 
 def run(args: argparse.Namespace) -> int:
     """Load both sides, compare, print; 0/1 by tolerance, 2 (one-line error) on bad input."""
-    from hyperdryrun.cli import _fail
+    from hyperdryrun.commands import fail as _fail
     from hyperdryrun.ingest.load import IngestError
 
     debug = getattr(args, "debug", False)
