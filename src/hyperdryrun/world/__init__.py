@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hyperdryrun.trace.blocks import ALIGNMENT
 from hyperdryrun.trace.tracker import MemoryTracker, TrackingFakeTensorMode
-from hyperdryrun.world.kernels import target_kernel_patches
+from hyperdryrun.world.kernels import TargetFakeTensorMode, needs_target_kernels, target_kernel_patches
 from hyperdryrun.world.patches import PatchSet
 
 
@@ -26,12 +26,15 @@ class WorldError(RuntimeError):
 
 
 def default_simulation_device() -> str:
-    """``cuda`` where the torch build has CUDA (fake CUDA works without a GPU there), else ``cpu``.
+    """``cuda`` where torch can use a CUDA device, else ``cpu``; the CUDA semantics are then modelled in
+    :mod:`hyperdryrun.world.kernels`.
 
     torch 2.13 CPU wheels: fake "cuda" tensors abort the process in autograd ("not linked with support for cuda
-    devices"), so fake "cpu" stands in and the CUDA semantics are modelled in :mod:`hyperdryrun.world.kernels`.
+    devices"). torch 2.13 CUDA wheels without a GPU: a backward on fake "cuda" tensors raises in
+    ``GraphTask::stash_current_streams`` ("hasPrimaryContext expects a valid device index"), and the SDPA backend
+    choice needs device properties. Fake "cpu" works on both.
     """
-    return "cuda" if torch.backends.cuda.is_built() else "cpu"
+    return "cuda" if torch.backends.cuda.is_built() and torch.cuda.is_available() else "cpu"
 
 
 class SimulatedWorld:
@@ -94,7 +97,10 @@ class SimulatedWorld:
             # Built outside fake mode: mesh coordinates are computed with real tensor ops (nonzero/item).
             self.mesh = init_device_mesh(self.device, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
             stack.enter_context(PatchSet(target_kernel_patches(self.target_device, self.device)))
-            self.fake_mode = TrackingFakeTensorMode(allow_non_fake_inputs=True)
+            mode = TrackingFakeTensorMode
+            if self.device != "cuda" and needs_target_kernels(self.target_device, self.device):
+                mode = TargetFakeTensorMode
+            self.fake_mode = mode(allow_non_fake_inputs=True)
         except BaseException:
             self.__exit__(None, None, None)
             raise
