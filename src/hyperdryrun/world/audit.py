@@ -133,7 +133,8 @@ def walk_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
                     else:
                         var.grad.add_(g)
                 continue
-            outs = node(*inputs)
+            # C++ nodes are callable; a custom autograd.Function's node runs through .apply
+            outs = node(*inputs) if callable(node) else node.apply(*inputs)
             if not isinstance(outs, tuple):
                 outs = (outs,)
             del inputs
@@ -481,6 +482,13 @@ def diff_layer(reference: dict[str, Any], simulated: dict[str, Any]) -> list[str
         if ref_sum[key] != sim_sum[key]:
             problems.append(f"{key}: reference {ref_sum[key]}, simulated {sim_sum[key]}")
     for phase in ("forward", "backward", "step"):
+        ref_ops = Counter(op for op, _ in reference.get(phase, []))
+        sim_ops = Counter(op for op, _ in simulated.get(phase, []))
+        if ref_ops != sim_ops:
+            problems.append(
+                f"{phase} ops: only in reference {sorted((ref_ops - sim_ops).elements())}, "
+                f"only simulated {sorted((sim_ops - ref_ops).elements())}"
+            )
         ref, sim = _alloc_multiset(reference.get(phase, [])), _alloc_multiset(simulated.get(phase, []))
         if ref != sim:
             only_ref, only_sim = ref - sim, sim - ref
@@ -498,14 +506,23 @@ def diff_layer(reference: dict[str, Any], simulated: dict[str, Any]) -> list[str
     return problems
 
 
-def compare(reference: dict[str, Any], names: list[str] | None = None) -> dict[str, list[str]]:
-    """Run the catalogue on the simulation device and diff it against ``reference``; layer -> differences."""
+def compare(reference: dict[str, Any], names: list[str] | None = None) -> dict[str, list[str] | None]:
+    """Run the catalogue on the simulation device and diff it against ``reference``: layer -> differences, or
+    None for a layer the reference could not record (its ``error`` says why)."""
     from hyperdryrun.world import default_simulation_device
 
     device = default_simulation_device()
     names = names or [n for n in reference["layers"] if n in LAYERS]
+    unknown = [n for n in names if n not in reference["layers"] or n not in LAYERS]
+    if unknown:
+        raise ValueError(f"layers not in both the reference and the catalogue: {', '.join(unknown)}")
     simulated = record(device, "engine", names)["layers"]
-    return {name: diff_layer(reference["layers"][name], simulated[name]) for name in names}
+    return {
+        name: None
+        if "error" in reference["layers"][name]
+        else diff_layer(reference["layers"][name], simulated[name])
+        for name in names
+    }
 
 
 def load_reference(path: str) -> dict[str, Any]:
@@ -539,13 +556,16 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write(Path(args.record), json.dumps(data, indent=1, sort_keys=True) + "\n")
         print(f"recorded {len(data['layers'])} layers to {args.record}")
         return 0
-    result = compare(load_reference(args.compare), args.layers)
-    bad = {k: v for k, v in result.items() if v}
+    reference = load_reference(args.compare)
+    result = compare(reference, args.layers)
     for name, problems in result.items():
+        if problems is None:
+            print(f"skip {name}: reference not recorded ({reference['layers'][name]['error']})")
+            continue
         print(f"{'DIFF' if problems else 'ok  '} {name}")
         for p in problems:
             print(f"     {p}")
-    return 1 if bad else 0
+    return 1 if any(result.values()) else 0
 
 
 if __name__ == "__main__":

@@ -29,10 +29,16 @@ _aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class KernelDifference:
+    """One place where a CPU kernel allocates or saves differently from the CUDA kernel of the same op."""
+
     layer: str
     cpu: str
     cuda: str
     handling: str
+    handled_by: tuple[str, ...] = ()
+    """Names of the patches (``Patch.name``) or fixed-up ops (``OUTPUT_FIXUPS``) that model it."""
+    audit_layers: tuple[str, ...] = ()
+    """Layers of :data:`hyperdryrun.world.audit.LAYERS` in which the audit finds it without ``handled_by``."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,8 @@ class CudaTarget:
     """CUDA version the torch build was compiled with (13.0 for the default PyPI wheel)."""
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """JSON-ready (lists, not tuples), so that a reference file's ``cuda_target`` compares equal."""
+        return {**asdict(self), "sm": list(self.sm)}
 
     @property
     def prefers_cudnn(self) -> bool:
@@ -67,61 +74,101 @@ DIFFERENCES: list[KernelDifference] = [
         "storage allocation",
         "CPU allocator: exact bytes (64-byte aligned)",
         "CUDA caching allocator: every block rounded up to 512 B",
-        "each block's size is rounded to 512 B when target_device is cuda",
+        "each block's size is rounded to 512 B when target_device is cuda (the tracker's alignment)",
     ),
     KernelDifference(
         "F.scaled_dot_product_attention (backend)",
-        "_fused_sdp_choice_cpp: _scaled_dot_product_flash_attention_for_cpu for any float dtype, masks allowed",
+        "_fused_sdp_choice_cpp: _scaled_dot_product_flash_attention_for_cpu for any float dtype, masks allowed; "
+        "a CUDA build without a GPU picks math (S x S scores): no device properties",
         "select_sdp_backend (sdp_utils.cpp): cuDNN first on sm90/sm10x with cuDNN > 9.15 (bf16/fp16, head_dim "
         "<= 128 and % 8, GQA, masks), then flash (bf16/fp16, no mask, head_dim <= 256, GQA), then "
-        "memory-efficient (fp32 too, masks, GQA, any head_dim % 8/4), then math (S x S scores)",
+        "memory-efficient (fp32 too, masks, no GQA in 2.13), then math",
         "cuda_sdpa_backend applies the CUDA rules for CudaTarget (default sm90, cuDNN 9.20, CUDA 13.0) and the "
         "chosen fused op is called, so its outputs and saved tensors are recorded",
+        ("scaled_dot_product_attention",),
+        ("sdpa_causal_bf16_mha", "sdpa_causal_bf16_gqa", "sdpa_causal_fp32_mha", "sdpa_bool_mask_bf16"),
     ),
     KernelDifference(
         "F.scaled_dot_product_attention (composite)",
         "flash_for_cpu takes the mask as is and any head_dim",
-        "attention.cpp: bool mask -> additive mask (logical_not + where, a 1-element device scalar); "
-        "efficient pads an unaligned mask's last dim to 8; flash pads head_dim to a multiple of 8",
-        "the same ops are issued on the simulation device (the cuDNN mask's 0.0 is a host scalar there too)",
+        "attention.cpp: bool mask -> additive mask (logical_not + where; a 1-element device scalar, a host one "
+        "for cuDNN); efficient pads an unaligned mask's last dim to 8; flash pads head_dim to a multiple of 8",
+        "the same ops are issued on the simulation device",
+        ("scaled_dot_product_attention",),
+        ("sdpa_causal_bf16_hd100", "sdpa_bool_mask_fp32"),
     ),
     KernelDifference(
         "F.dropout (training)",
         "composite _dropout: bernoulli mask of the input's dtype, x * mask / (1-p)",
         "aten.native_dropout: one fused kernel, bool mask saved",
         "dropout is routed to aten.native_dropout",
+        ("dropout",),
+        ("dropout_bf16", "dropout_fp32"),
+    ),
+    KernelDifference(
+        "F.rms_norm",
+        "_fused_rms_norm is the composite on CPU: pow/mean/rsqrt/mul, saving three fp32 input-sized tensors",
+        "_fused_rms_norm CUDA kernel: saves input and rstd (fp32, one per row); one _fused_rms_norm_backward",
+        "F.rms_norm calls _fused_rms_norm below autograd with the CUDA derivative formula",
+        ("rms_norm",),
+        ("rms_norm_functional_fp32", "rms_norm_functional_bf16"),
+    ),
+    KernelDifference(
+        "LayerNorm (bf16/fp16)",
+        "native_layer_norm returns mean/rstd in the input dtype",
+        "native_layer_norm returns mean/rstd in fp32 (accumulate type); autograd saves them",
+        "the fake mode returns fp32 mean/rstd for native_layer_norm",
+        ("native_layer_norm",),
+        ("layernorm_bf16",),
+    ),
+    KernelDifference(
+        "F.logsigmoid",
+        "log_sigmoid_forward returns an input-sized buffer, saved for backward",
+        "log_sigmoid_forward returns an empty buffer",
+        "the fake mode returns an empty buffer for log_sigmoid_forward",
+        ("log_sigmoid_forward",),
+        ("logsigmoid_fp32",),
     ),
     KernelDifference(
         "softmax / log_softmax (fp16 input, dtype=float32)",
         "input converted to fp32 first (a full-size copy), then _softmax",
         "_softmax(half_to_float=True) reads fp16 directly (SoftMax.cpp, CUDA only)",
         "F.softmax / F.log_softmax with fp16 input and dtype=float32 call the half_to_float kernel",
+        ("softmax", "log_softmax"),
+        ("softmax_fp16_to_fp32", "log_softmax_fp16_to_fp32"),
     ),
     KernelDifference(
         "optimizer implementation",
         "torch's default on CPU tensors is the per-parameter for-loop",
         "torch's default on CUDA tensors is foreach (whole-list temporaries)",
         "the configured implementation (default foreach, as on CUDA) is passed explicitly; with foreach/fused "
-        "unset, _default_to_fused_or_foreach counts the simulation device as a foreach device and FakeTensor "
-        "parameters as tensors (any fake device otherwise gets the for-loop)",
+        "unset, _default_to_fused_or_foreach counts the simulation device as a foreach device",
+        ("_get_foreach_kernels_supported_devices",),
+    ),
+    KernelDifference(
+        "optimizer implementation (fake parameters)",
+        "any fake device: a FakeTensor parameter fails _default_to_fused_or_foreach's type(p) check: for-loop",
+        "real CUDA parameters: foreach",
+        "FakeTensor counts as a foreach-supported type",
+        ("_foreach_supported_types",),
+        ("adamw_default", "sgd_default"),
+    ),
+    KernelDifference(
+        "BatchNorm / GroupNorm (not in LLM layers)",
+        "torch/_decomp: CPU save_mean/save_rstd in the input dtype, empty in eval; group_norm computes differently",
+        "fp32 statistics; eval saves the running statistics",
+        "not modelled: found by reading the device branches of torch 2.13's torch/_refs and torch/_decomp",
     ),
 ]
-"""Audited differences. Layers found to agree exactly (ops, bytes and saved tensors) are listed in
-``tests/world/test_kernels.py``: Linear/addmm/mm, Embedding, RMSNorm in plain torch, F.rms_norm, LayerNorm,
-SiLU/GELU, softmax/log_softmax (fp32/bf16), cross entropy, a Llama block, AdamW/SGD foreach and fused."""
+"""Audited differences; every other layer of the audit catalogue agrees exactly (ops, bytes, saved tensors)."""
 
 _orig_sdpa = F.scaled_dot_product_attention
 _orig_dropout = F.dropout
 _orig_softmax = F.softmax
 _orig_log_softmax = F.log_softmax
 _orig_rms_norm = F.rms_norm
-DEFAULT_SDP_PRIORITY = [
-    1,
-    2,
-    0,
-    3,
-    4,
-]  # torch 2.13 Context default: flash, efficient, math, cudnn, overrideable
+# torch 2.13 Context default: flash, efficient, math, cudnn, overrideable
+DEFAULT_SDP_PRIORITY = [1, 2, 0, 3, 4]
 CUDNN_SDP_PRIORITY = [3, 1, 2, 0]
 _BACKEND_NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
 
@@ -473,6 +520,7 @@ def target_kernel_patches(target_device: str, simulation_device: str) -> list[Pa
     """Patches that make the simulation device follow the target device's kernels."""
     if target_device != "cuda":
         return []
+    import torch.distributed.tensor  # noqa: F401  (its import appends DTensor to _foreach_supported_types)
     import torch.optim.optimizer as optim_module
     from torch._subclasses.fake_tensor import FakeTensor
 
