@@ -135,8 +135,9 @@ class SimulatedWorld:
         if self.device != self.target_device:
             out.append(
                 f"simulated on fake '{self.device}' tensors for a '{self.target_device}' target: "
-                f"{self.target_device} kernels were not executed; their allocation semantics are modelled "
-                "(512 B rounding, SDPA backend selection, fused dropout, optimizer implementation)"
+                f"{self.target_device} kernels were not executed; where their allocations differ they are "
+                "modelled (512 B rounding, SDPA backend for an sm90 GPU with cuDNN 9.20, fused dropout and "
+                "rms_norm, fp32 norm statistics, optimizer implementation; `hyperdryrun audit-kernels` lists them)"
             )
         return out
 
