@@ -48,6 +48,12 @@ def test_the_reference_is_a_fake_cuda_record_of_every_layer_by_a_cuda_build_of_t
     assert reference["torch_version"].startswith("2.13.0+cu") and reference["cuda_build"]
     assert set(reference["layers"]) == set(audit.LAYERS)
     assert reference["cuda_target"] == kernels.DEFAULT_CUDA_TARGET.as_dict()
+    # Only these two were taken from the code under test (no GPU: no SDPA choice; FakeTensor optimizer default);
+    # everything else is what the CUDA build's own dispatch did on fake "cuda".
+    assert sorted(m.split(":")[0] for m in reference["modelled"]) == [
+        "_foreach_supported_types",
+        "scaled_dot_product_attention",
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(audit.LAYERS))

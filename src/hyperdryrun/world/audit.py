@@ -436,7 +436,7 @@ def simulation(device: str) -> Iterator[None]:
 
 def record(device: str, backward: str, names: list[str] | None = None) -> dict[str, Any]:
     """Run the catalogue (or ``names``) on fake ``device``; the result is what the reference fixture holds."""
-    from hyperdryrun.world.kernels import DEFAULT_CUDA_TARGET
+    from hyperdryrun.world.kernels import DEFAULT_CUDA_TARGET, target_kernel_patches
 
     layers: dict[str, Any] = {}
     for name in names or list(LAYERS):
@@ -452,6 +452,9 @@ def record(device: str, backward: str, names: list[str] | None = None) -> dict[s
         "device": device,
         "backward": backward,
         "cuda_target": DEFAULT_CUDA_TARGET.as_dict(),
+        # what this record did not observe but took from hyperdryrun.world.kernels (on fake "cuda" without a GPU:
+        # the SDPA backend choice and the optimizer default); every other op ran as the device's own code
+        "modelled": [f"{p.name}: {p.reason}" for p in target_kernel_patches("cuda", device)],
         "layers": layers,
     }
 
