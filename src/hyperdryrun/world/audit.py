@@ -276,6 +276,23 @@ def _layernorm(dtype: torch.dtype) -> Builder:
 
 layer("layernorm_fp32")(_layernorm(torch.float32))
 layer("layernorm_bf16")(_layernorm(torch.bfloat16))
+
+
+def _norm2d(factory: Callable[[], nn.Module], dtype: torch.dtype, train: bool = True) -> Builder:
+    def build(device: torch.device) -> Case:
+        mod = _module(factory, device, dtype).train(train)
+        for name, buf in list(mod.named_buffers()):  # to_empty leaves running statistics uninitialised
+            setattr(mod, name, torch.zeros_like(buf))
+        x = _x(device, B, 32, 8, 8, dtype=dtype)
+        return Case(forward=lambda: mod(x), keep=[mod, x])
+
+    return build
+
+
+layer("batchnorm_train_fp32")(_norm2d(lambda: nn.BatchNorm2d(32), torch.float32))
+layer("batchnorm_eval_fp32")(_norm2d(lambda: nn.BatchNorm2d(32), torch.float32, train=False))
+layer("groupnorm_fp32")(_norm2d(lambda: nn.GroupNorm(4, 32), torch.float32))
+layer("groupnorm_bf16")(_norm2d(lambda: nn.GroupNorm(4, 32), torch.bfloat16))
 layer("silu_bf16")(_unary(F.silu, torch.bfloat16))
 layer("gelu_bf16")(_unary(F.gelu, torch.bfloat16))
 layer("gelu_tanh_bf16")(_unary(lambda x: F.gelu(x, approximate="tanh"), torch.bfloat16))

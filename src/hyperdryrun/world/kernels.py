@@ -154,10 +154,13 @@ DIFFERENCES: list[KernelDifference] = [
         ("adamw_default", "sgd_default"),
     ),
     KernelDifference(
-        "BatchNorm / GroupNorm (not in LLM layers)",
-        "torch/_decomp: CPU save_mean/save_rstd in the input dtype, empty in eval; group_norm computes differently",
-        "fp32 statistics; eval saves the running statistics",
-        "not modelled: found by reading the device branches of torch 2.13's torch/_refs and torch/_decomp",
+        "BatchNorm",
+        "native_batch_norm (CPU kernel)",
+        "cudnn_batch_norm: the same output and statistics bytes, plus an empty reserve tensor saved; backward "
+        "cudnn_batch_norm_backward",
+        "not modelled: the bytes agree exactly, only the producing op's name differs",
+        (),
+        ("batchnorm_train_fp32", "batchnorm_eval_fp32"),
     ),
 ]
 """Audited differences; every other layer of the audit catalogue agrees exactly (ops, bytes, saved tensors)."""
