@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hyperdryrun.trace.blocks import ALIGNMENT
 from hyperdryrun.trace.tracker import MemoryTracker, TrackingFakeTensorMode
 from hyperdryrun.world.dtensor import untracked_sharding_propagation
-from hyperdryrun.world.kernels import target_kernel_patches
+from hyperdryrun.world.kernels import TargetFakeTensorMode, needs_target_kernels, target_kernel_patches
 from hyperdryrun.world.patches import PatchSet
 
 
@@ -27,12 +27,15 @@ class WorldError(RuntimeError):
 
 
 def default_simulation_device() -> str:
-    """``cuda`` where the torch build has CUDA (fake CUDA works without a GPU there), else ``cpu``.
+    """``cuda`` where torch can use a CUDA device, else ``cpu``; the CUDA semantics are then modelled in
+    :mod:`hyperdryrun.world.kernels`.
 
     torch 2.13 CPU wheels: fake "cuda" tensors abort the process in autograd ("not linked with support for cuda
-    devices"), so fake "cpu" stands in and the CUDA semantics are modelled in :mod:`hyperdryrun.world.kernels`.
+    devices"). torch 2.13 CUDA wheels without a GPU: a backward on fake "cuda" tensors raises in
+    ``GraphTask::stash_current_streams`` ("hasPrimaryContext expects a valid device index"), and the SDPA backend
+    choice needs device properties. Fake "cpu" works on both.
     """
-    return "cuda" if torch.backends.cuda.is_built() else "cpu"
+    return "cuda" if torch.backends.cuda.is_built() and torch.cuda.is_available() else "cpu"
 
 
 class SimulatedWorld:
@@ -96,7 +99,10 @@ class SimulatedWorld:
             self.mesh = init_device_mesh(self.device, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
             stack.enter_context(PatchSet(target_kernel_patches(self.target_device, self.device)))
             stack.enter_context(PatchSet(untracked_sharding_propagation(lambda: self.tracker)))
-            self.fake_mode = TrackingFakeTensorMode(allow_non_fake_inputs=True)
+            mode = TrackingFakeTensorMode
+            if self.device != "cuda" and needs_target_kernels(self.target_device, self.device):
+                mode = TargetFakeTensorMode
+            self.fake_mode = mode(allow_non_fake_inputs=True)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -131,8 +137,9 @@ class SimulatedWorld:
         if self.device != self.target_device:
             out.append(
                 f"simulated on fake '{self.device}' tensors for a '{self.target_device}' target: "
-                f"{self.target_device} kernels were not executed; their allocation semantics are modelled "
-                "(512 B rounding, SDPA backend selection, fused dropout, optimizer implementation)"
+                f"{self.target_device} kernels were not executed; where their allocations differ they are "
+                "modelled (512 B rounding, SDPA backend for an sm90 GPU with cuDNN 9.20, fused dropout and "
+                "rms_norm, fp32 norm statistics, optimizer implementation; `hyperdryrun audit-kernels` lists them)"
             )
         return out
 

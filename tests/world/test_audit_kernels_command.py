@@ -1,0 +1,82 @@
+"""``hyperdryrun audit-kernels``: the table, the comparison against a reference, and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hyperdryrun.cli import OneLineParser
+from hyperdryrun.commands import audit_kernels
+from hyperdryrun.world.kernels import DIFFERENCES
+
+REFERENCE = Path(__file__).parent / "fixtures" / "cuda_kernels.json"
+
+
+def run(argv: list[str]) -> int:
+    parser = OneLineParser(prog="hyperdryrun")
+    audit_kernels.register(parser.add_subparsers(dest="command", parser_class=OneLineParser))
+    args = parser.parse_args(["audit-kernels", *argv])
+    return args.func(args)
+
+
+def test_without_a_reference_it_prints_every_audited_difference(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "2000")  # one table row per line
+    assert run([]) == 0
+    out = capsys.readouterr().out
+    for d in DIFFERENCES:
+        assert d.layer.split(" (")[0] in out
+
+
+def test_the_shipped_reference_matches_and_an_unrecordable_layer_is_skipped(capsys):
+    assert (
+        run(
+            [
+                "--reference",
+                str(REFERENCE),
+                "--layers",
+                "llama_block_bf16",
+                "sdpa_bool_mask_bf16",
+                "sgd_fused",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "llama_block_bf16" in out and "skipped" in out and "DIFF" not in out
+
+
+def test_a_reference_that_disagrees_exits_1_naming_the_layer(tmp_path, capsys):
+    data = json.loads(REFERENCE.read_text())
+    data["layers"]["silu_bf16"]["forward"][0][1] = [12288 + 2]  # one more bf16 element than silu allocates
+    bad = tmp_path / "ref.json"
+    bad.write_text(json.dumps(data))
+    assert run(["--reference", str(bad), "--layers", "silu_bf16", "gelu_bf16"]) == 1
+    captured = capsys.readouterr()
+    assert "DIFF" in captured.out
+    assert captured.err.strip() == "hyperdryrun: audit-kernels: 1 layer(s) differ: silu_bf16"
+
+
+@pytest.mark.parametrize(
+    "content,expected",
+    [
+        (None, "FileNotFoundError"),
+        ('{"schema_version": 99, "layers": {}}', "schema_version=99"),
+        ("not json", "JSONDecodeError"),
+    ],
+)
+def test_a_bad_reference_file_is_a_one_line_error_and_exit_2(tmp_path, capsys, content, expected):
+    path = tmp_path / "ref.json"
+    if content is not None:
+        path.write_text(content)
+    assert run(["--reference", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hyperdryrun: error: --reference ") and expected in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_an_unknown_layer_is_a_one_line_error(capsys):
+    assert run(["--reference", str(REFERENCE), "--layers", "no_such_layer"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_layer" in err and err.count("\n") == 1
