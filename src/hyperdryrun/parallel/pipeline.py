@@ -235,8 +235,12 @@ class LlamaPipeline:
 
     def parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
         """Cut this rank's stages from the meta model and parallelize each (TP, AC, FSDP) as the recipe does."""
-        if mesh["pp"].get_local_rank() != self.pp_rank:
-            raise PipelineError(f"rank {self.cfg.world.rank}: mesh pp coordinate differs from {self.pp_rank}")
+        mesh_pp = mesh["pp"].get_local_rank()
+        if mesh_pp != self.pp_rank:
+            raise PipelineError(
+                f"the mesh puts this rank on pipeline rank {mesh_pp}, the job's rank {self.cfg.world.rank} "
+                f"is on pipeline rank {self.pp_rank}"
+            )
         self._mesh = mesh
         parts = [
             self.parallelize_stage(part, mesh) or part
@@ -277,6 +281,10 @@ class LlamaPipeline:
         tokens = torch.cat([b[0] for b in micro])
         labels = torch.cat([b[1] for b in micro])
         del micro
+        tracker = _active_tracker()
+        if tracker is not None:  # the batch, like the engine's micro batches, is input data: "Other"
+            tracker.mark(tokens, Category.OTHER)
+            tracker.mark(labels, Category.OTHER)
         if self.schedule is None:
             device = next(iter(model.parameters())).device
             self.schedule = self._build_schedule(model, device)
