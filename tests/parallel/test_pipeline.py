@@ -287,3 +287,37 @@ def test_vote_patch_is_undone_when_the_step_raises():
         )
     assert seen and seen[0] is not original
     assert _PipelineSchedule.__dict__["_warmup_p2p"] is original
+
+
+def test_pipeline_runs_write_byte_identical_reports(tmp_path, capsys, monkeypatch):
+    from hyperdryrun.cli import main
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["run", "--model", "llama-tiny", "--seq-len", "32", "--world-size", "4", "--pp", "2", "--tp", "2"]
+    argv += ["--pp-schedule", "Interleaved1F1B", "--n-layers", "4", "--num-micro-batches", "4", "--rank", "3"]
+    outputs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        assert main([*argv, "--output-dir", str(out)]) == 0
+        outputs.append({p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()})
+    capsys.readouterr()
+    assert sorted(str(p) for p in outputs[0]) == ["rank_3/rank_3_memory.csv", "rank_3/rank_3_memory.json"]
+    assert outputs[0] == outputs[1]
+
+
+def test_last_stage_with_loss_parallel_keeps_vocab_sharded_logits():
+    # pp=2 x dp_shard=2 x tp=2, rank 7 = last stage. With loss parallel the head's output stays a vocab-sharded
+    # DTensor: the logits of one micro batch are seq * (vocab / tp) bf16 values on this rank (64 * 128 * 2 bytes).
+    trace = dry_run(
+        world__world_size=8,
+        world__rank=7,
+        parallel__pp=2,
+        parallel__tp=2,
+        parallel__dp_shard=2,
+        training__num_micro_batches=2,
+        model__n_layers=4,
+    )
+    assert trace.metadata["pipeline"]["stage_indices"] == [1]
+    logits = [b for b in trace.blocks if b.module == "output" and b.phase is Phase.FORWARD and b.op == "mm"]
+    assert [b.requested for b in logits] == [64 * 128 * 2] * 2

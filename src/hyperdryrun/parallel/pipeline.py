@@ -9,8 +9,9 @@ rank's peak follows the micro batches in flight under the schedule.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -214,7 +215,13 @@ class LlamaPipeline:
     >>> simulate(..., parallelize_fn=pipe.parallelize, step_fn=pipe.step)
     """
 
-    def __init__(self, cfg: JobConfig, parallelize_stage: Any, loss_fn: Any, loss_context: Any) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        parallelize_stage: Callable[[nn.Module, Any], nn.Module | None],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
         self.cfg = cfg
         self.parallelize_stage = parallelize_stage
         self.loss_fn = loss_fn
