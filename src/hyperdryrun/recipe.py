@@ -119,6 +119,11 @@ def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
     if cfg.parallel.pp > 1:
         pipe = pipeline(cfg)
         step_fn, parallelize_fn = pipe.step, pipe.parallelize
+        limitations.append(
+            "pipeline: only this rank's stages were run; point-to-point sends and receives complete at once on the "
+            "fake process group, so a send buffer is freed when the schedule drops it (on CUDA, NCCL's stream may "
+            "hold it a little longer)"
+        )
     else:
         step_fn = micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg))
         parallelize_fn = lambda model, mesh: parallelize_llama(model, mesh, cfg)  # noqa: E731
