@@ -133,7 +133,12 @@ BAD_INPUTS = {
     ),
     "world-size-zero": (["--world-size", "0"], {}, None, ["world.world_size (--world-size)", "(got 0)"]),
     "cp-unsupported": (["--world-size", "2", "--cp", "2"], {}, None, ["parallel.cp=2", "not supported yet"]),
-    "pp-unsupported": (["--world-size", "2", "--pp", "2"], {}, None, ["parallel.pp=2", "not supported yet"]),
+    "pp-unknown-schedule": (
+        ["--world-size", "2", "--pp", "2", "--pp-schedule", "2F2B"],
+        {},
+        None,
+        ["parallel.pp_schedule (--pp-schedule)", "(got '2F2B')"],
+    ),
     "ep-unsupported": (["--ep", "2"], {}, None, ["parallel.ep=2", "not supported yet"]),
     "unknown-model": (["--model", "nope"], {}, None, ["model.name (--model)", "'nope'", "llama-tiny"]),
     "ac-bogus": (["--ac", "bogus"], {}, None, ["training.ac (--ac)", "(got 'bogus')"]),

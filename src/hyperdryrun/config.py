@@ -16,6 +16,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hyperdryrun.models.llama import PRESETS, LlamaArgs
 
 Dtype = Literal["bf16", "fp32"]
+PipelineSchedule = Literal[
+    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+]
+"""The training schedules of torch 2.13 ``torch.distributed.pipelining`` (``get_schedule_class`` names)."""
+MULTI_STAGE_SCHEDULES = (
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+"""Schedules that place two stages per rank in a V (rank r holds stages r and 2*pp-1-r)."""
 
 
 class ConfigError(ValueError):
@@ -66,6 +79,29 @@ class ParallelConfig(_Strict):
     reshard_after_forward: bool = True
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    pp_schedule: PipelineSchedule = "1F1B"
+    """torch.distributed.pipelining schedule used when pp > 1."""
+    pp_virtual_stages: int | None = Field(None, gt=0)
+    """Pipeline stages per rank: 1 for single-stage schedules, 2 by default for multi-stage ones."""
+    pp_stage_layers: list[int] | None = None
+    """Decoder layers of each pipeline stage, in stage order (default: torchtitan's even split)."""
+
+    @field_validator("pp_stage_layers")
+    @classmethod
+    def _non_negative_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(n < 0 for n in v)):
+            raise ValueError(f"must be a non-empty list of layer counts >= 0, got {v}")
+        return v
+
+    @property
+    def pp_stages_per_rank(self) -> int:
+        if self.pp_virtual_stages is not None:
+            return self.pp_virtual_stages
+        return 2 if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+
+    @property
+    def pp_num_stages(self) -> int:
+        return self.pp * self.pp_stages_per_rank
 
 
 class TrainingConfig(_Strict):
@@ -121,7 +157,7 @@ class JobConfig(_Strict):
     @model_validator(mode="after")
     def _layout(self) -> JobConfig:
         p, w, m = self.parallel, self.world, self.model.args()
-        for name in ("cp", "pp", "ep", "etp"):
+        for name in ("cp", "ep", "etp"):
             if getattr(p, name) > 1:
                 raise ValueError(
                     f"parallel.{name}={getattr(p, name)} is not supported yet (dense FSDP/TP only)"
@@ -151,12 +187,69 @@ class JobConfig(_Strict):
                 f"training.seq_len={self.training.seq_len} is not divisible by parallel.tp={p.tp} "
                 "(sequence parallel shards the sequence)"
             )
+        if p.pp > 1:
+            self._check_pipeline()
         if self.training.ac == "selective" and self.training.ac_selective != "op":
             if int(self.training.ac_selective) > m.n_layers:
                 raise ValueError(
                     f"training.ac_selective={self.training.ac_selective} exceeds model.n_layers={m.n_layers}"
                 )
         return self
+
+    def _check_pipeline(self) -> None:
+        """The pipeline layout: schedule vs stages per rank, the layer split, micro batches per schedule."""
+        p, m, n_mb = self.parallel, self.model.args(), self.training.num_micro_batches
+        v = p.pp_stages_per_rank
+        if p.pp_schedule in V_SCHEDULES and v != 2:
+            raise ValueError(
+                f"parallel.pp_virtual_stages={v} must be 2 for parallel.pp_schedule={p.pp_schedule} "
+                "(a V schedule holds exactly two stages per rank)"
+            )
+        if p.pp_schedule not in MULTI_STAGE_SCHEDULES and v != 1:
+            raise ValueError(
+                f"parallel.pp_virtual_stages={v} needs a multi-stage schedule "
+                f"({', '.join(MULTI_STAGE_SCHEDULES)}); parallel.pp_schedule={p.pp_schedule} runs one stage per rank"
+            )
+        stages = p.pp_num_stages
+        if m.tie_embeddings:
+            raise ValueError(
+                "model.tie_embeddings=True cannot be used with parallel.pp > 1 "
+                "(the embedding and the output head live on different pipeline stages)"
+            )
+        if p.pp_stage_layers is not None:
+            layers = p.pp_stage_layers
+            if len(layers) != stages:
+                raise ValueError(
+                    f"parallel.pp_stage_layers has {len(layers)} entries, needs one per pipeline stage: "
+                    f"pp*stages_per_rank = {p.pp}*{v} = {stages}"
+                )
+            if sum(layers) != m.n_layers:
+                raise ValueError(
+                    f"parallel.pp_stage_layers={layers} sums to {sum(layers)}, model.n_layers={m.n_layers}"
+                )
+            empty = [i for i in range(1, stages - 1) if layers[i] == 0]
+            if empty:
+                raise ValueError(
+                    f"parallel.pp_stage_layers={layers}: middle stage {empty[0]} has no layers "
+                    "(only the first and last stages, which hold the embedding and the head, may have none)"
+                )
+        elif m.n_layers + 2 < stages:
+            raise ValueError(
+                f"model.n_layers={m.n_layers} does not split into {stages} pipeline stages (the even split counts "
+                f"the embedding and the head as one layer each: needs n_layers + 2 >= {stages})"
+            )
+        if p.pp_schedule in ("1F1B", "DualPipeV") and n_mb < stages:
+            raise ValueError(
+                f"training.num_micro_batches={n_mb} must be >= the {stages} pipeline stages "
+                f"for parallel.pp_schedule={p.pp_schedule}"
+            )
+        if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+            rounds = max(1, n_mb // p.pp)
+            if n_mb % rounds:
+                raise ValueError(
+                    f"training.num_micro_batches={n_mb} must be a multiple of max(1, num_micro_batches // pp) "
+                    f"= {rounds} for parallel.pp_schedule={p.pp_schedule}"
+                )
 
     @property
     def local_rank(self) -> int:

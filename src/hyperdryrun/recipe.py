@@ -18,6 +18,7 @@ from hyperdryrun.parallel import (
     fsdp_enabled,
     parallelize_llama,
 )
+from hyperdryrun.parallel.pipeline import LlamaPipeline
 
 
 def model_fn(cfg: JobConfig):
@@ -92,7 +93,18 @@ def job_metadata(cfg: JobConfig) -> dict:
             "selective": t.ac_selective if t.ac == "selective" else None,
         },
         "optimizer_config": {"name": t.optimizer, "implementation": t.optimizer_impl},
+        "pipeline": pipeline(cfg).metadata() if cfg.parallel.pp > 1 else None,
     }
+
+
+def pipeline(cfg: JobConfig) -> LlamaPipeline:
+    """The pipeline-parallel step for ``cfg`` (pp > 1): this rank's stages, each parallelized as without pp."""
+    return LlamaPipeline(
+        cfg,
+        parallelize_stage=lambda stage, mesh: parallelize_llama(stage, mesh, cfg),
+        loss_fn=cross_entropy_loss,
+        loss_context=loss_context(cfg),
+    )
 
 
 def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
@@ -103,11 +115,23 @@ def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
         limitations.append(
             "mixed precision needs FSDP2 in this recipe; parameters were used in training.dtype"
         )
+    metadata = job_metadata(cfg)
+    if cfg.parallel.pp > 1:
+        pipe = pipeline(cfg)
+        step_fn, parallelize_fn = pipe.step, pipe.parallelize
+        limitations.append(
+            "pipeline: only this rank's stages were run; point-to-point sends and receives complete at once on the "
+            "fake process group, so a send buffer is freed when the schedule drops it (on CUDA, NCCL's stream may "
+            "hold it a little longer)"
+        )
+    else:
+        step_fn = micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg))
+        parallelize_fn = lambda model, mesh: parallelize_llama(model, mesh, cfg)  # noqa: E731
     trace = simulate(
         model_fn(cfg),
         batch_fn(cfg),
-        step_fn=micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg)),
-        parallelize_fn=lambda model, mesh: parallelize_llama(model, mesh, cfg),
+        step_fn=step_fn,
+        parallelize_fn=parallelize_fn,
         optimizer_fn=lambda params: build_optimizer(params, cfg),
         world_size=cfg.world.world_size,
         rank=cfg.world.rank,
@@ -117,7 +141,7 @@ def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
         target_device=cfg.target_device,
         num_micro_batches=cfg.training.num_micro_batches,
         capture_stacks=capture_stacks,
-        metadata=job_metadata(cfg),
+        metadata=metadata,
     )
     trace.limitations.extend(limitations)
     return trace

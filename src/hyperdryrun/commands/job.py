@@ -11,6 +11,14 @@ from typing import Any
 
 from hyperdryrun.config import ConfigError, JobConfig, build_config, load_yaml, rank_from_env
 
+
+def _int_list(text: str) -> list[int]:
+    """``4,8,8,4`` -> [4, 8, 8, 4] (argparse reports a ValueError as a one-line usage error)."""
+    return [int(x) for x in text.split(",")]
+
+
+_int_list.__name__ = "comma-separated list of integers"
+
 # flag -> (config path, type, help).
 _BOOL = "bool"
 RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
@@ -33,7 +41,22 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--dp-shard": ("parallel.dp_shard", int, "FSDP shard group size (default: what the world leaves)"),
     "--tp": ("parallel.tp", int, "tensor parallel degree"),
     "--cp": ("parallel.cp", int, "context parallel degree (not supported yet)"),
-    "--pp": ("parallel.pp", int, "pipeline parallel degree (not supported yet)"),
+    "--pp": ("parallel.pp", int, "pipeline parallel degree"),
+    "--pp-schedule": (
+        "parallel.pp_schedule",
+        str,
+        "pipeline schedule: GPipe|1F1B|Interleaved1F1B|LoopedBFS|InterleavedZeroBubble|ZBVZeroBubble|DualPipeV",
+    ),
+    "--pp-virtual-stages": (
+        "parallel.pp_virtual_stages",
+        int,
+        "pipeline stages per rank (default 1; 2 for multi-stage schedules)",
+    ),
+    "--pp-stage-layers": (
+        "parallel.pp_stage_layers",
+        _int_list,
+        "decoder layers of each pipeline stage, comma-separated (default: even split)",
+    ),
     "--ep": ("parallel.ep", int, "expert parallel degree (not supported yet)"),
     "--etp": ("parallel.etp", int, "expert tensor parallel degree (not supported yet)"),
     "--reshard-after-forward": ("parallel.reshard_after_forward", _BOOL, "FSDP2 reshard after forward"),
@@ -47,7 +70,7 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--num-micro-batches": (
         "training.num_micro_batches",
         int,
-        "gradient accumulation steps per optimizer step",
+        "gradient accumulation steps per optimizer step; with --pp > 1, pipeline micro batches",
     ),
     "--ac": ("training.ac", str, "activation checkpointing: none|full|selective"),
     "--ac-selective": ("training.ac_selective", str, "selective AC: 'op' or every k-th layer"),

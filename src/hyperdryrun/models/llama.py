@@ -160,10 +160,24 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage is this model with some parts removed (``keep_stage``): it then takes or returns
+        # hidden states instead of tokens or logits, as torchtitan's stage models do.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cache)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def keep_stage(self, layers: range, embedding: bool, head: bool) -> None:
+        """Reduce the model to one pipeline stage: decoder layers ``layers`` (global indices, so FQNs stay those
+        of the whole model), the embedding if ``embedding``, the final norm and output head if ``head``."""
+        for key in [k for k in self.layers if int(k) not in layers]:
+            del self.layers[key]
+        if not embedding:
+            self.tok_embeddings = None
+        if not head:
+            self.norm = None
+            self.output = None
 
     def init_weights(self) -> None:
         """Real initialisation (used only by real execution; a dry run needs no values)."""

@@ -74,6 +74,8 @@ def apply_tp(model: nn.Module, tp_mesh, cfg: JobConfig) -> None:
     }
     if sp:
         root_plan["norm"] = SequenceParallel()
+    # A pipeline stage lacks the embedding (all but the first) or norm and head (all but the last).
+    root_plan = {name: style for name, style in root_plan.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root_plan)
     for block in model.layers.values():
         plan = {

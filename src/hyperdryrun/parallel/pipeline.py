@@ -1,0 +1,322 @@
+"""Pipeline parallelism with torch-native ``torch.distributed.pipelining``, applied to the built-in Llama model.
+
+A rank builds only its own stage(s) — torchtitan's manual split: a copy of the whole model with the layers of
+other stages deleted, the embedding kept on the first stage and norm + head on the last — parallelizes each stage
+with TP/AC/FSDP as without pipelining, and runs the chosen schedule's ``step``. Stage shapes are given statically
+(a single-process fake run cannot infer them from its neighbours), so fake send/recv complete at once and the
+rank's peak follows the micro batches in flight under the schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyperdryrun.config import V_SCHEDULES, JobConfig
+from hyperdryrun.trace.blocks import Category
+from hyperdryrun.world.patches import Patch, PatchSet
+
+
+class PipelineError(RuntimeError):
+    """The pipeline could not be laid out or run as configured."""
+
+
+def stage_layer_counts(n_layers: int, num_stages: int, explicit: list[int] | None = None) -> list[int]:
+    """Decoder layers per stage: ``explicit`` as given, else torchtitan's even split
+    (``generate_llm_fqn_per_model_part``), which weighs the embedding and the head as one layer each."""
+    if explicit is not None:
+        return list(explicit)
+    effective = n_layers + 2
+    per, extra = divmod(effective, num_stages)
+    if per == 0:
+        raise PipelineError(f"{n_layers} layers do not split into {num_stages} pipeline stages")
+    counts = [per + (1 if s < extra else 0) for s in range(num_stages)]
+    counts[0] -= 1
+    counts[-1] -= 1
+    return counts
+
+
+def stage_layer_ranges(cfg: JobConfig) -> list[range]:
+    """Global decoder-layer indices of every pipeline stage, in stage order."""
+    p = cfg.parallel
+    counts = stage_layer_counts(cfg.model.args().n_layers, p.pp_num_stages, p.pp_stage_layers)
+    ranges, start = [], 0
+    for n in counts:
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+def stage_indices(pp_rank: int, cfg: JobConfig) -> tuple[int, ...]:
+    """The stages a pipeline rank holds: looped (r, r+pp, ...) or, for V schedules, (r, 2*pp-1-r)."""
+    p = cfg.parallel
+    if p.pp_schedule in V_SCHEDULES:
+        return (pp_rank, p.pp_num_stages - 1 - pp_rank)
+    return tuple(pp_rank + k * p.pp for k in range(p.pp_stages_per_rank))
+
+
+def pp_rank_of(rank: int, cfg: JobConfig) -> int:
+    """A global rank's pipeline coordinate: ``pp`` is the outermost mesh dimension."""
+    return rank // (cfg.world.world_size // cfg.parallel.pp)
+
+
+class PipelineStages(nn.ModuleDict):
+    """The stage modules one rank holds, keyed ``stage<i>`` (one root for the engine when a rank has several)."""
+
+    def forward(self, *args: Any) -> Any:  # pragma: no cover - stages are run by the schedule
+        raise RuntimeError("pipeline stages are run by the schedule, not called as one module")
+
+
+def split_stages(model: nn.Module, cfg: JobConfig, stage_ids: tuple[int, ...]) -> list[nn.Module]:
+    """This rank's stage modules cut from the whole (meta) model, torchtitan's ``pipeline_module_split`` way."""
+    ranges = stage_layer_ranges(cfg)
+    last = cfg.parallel.pp_num_stages - 1
+    parts = []
+    for k, s in enumerate(stage_ids):
+        part = model if k == len(stage_ids) - 1 else copy.deepcopy(model)
+        part.keep_stage(ranges[s], embedding=s == 0, head=s == last)
+        parts.append(part)
+    return parts
+
+
+def _activation_dtype(cfg: JobConfig) -> torch.dtype:
+    from hyperdryrun.parallel import DTYPES, fsdp_enabled
+
+    t = cfg.training
+    return DTYPES[t.param_dtype] if fsdp_enabled(cfg) and t.param_dtype else DTYPES[t.dtype]
+
+
+def stage_io_examples(cfg: JobConfig, stage: int, tp_mesh: Any) -> tuple[tuple, tuple, tuple | None]:
+    """Example (meta) inputs, outputs and output grads of one stage: what ``PipelineStage`` needs to skip shape
+    inference. Between stages flows the hidden state as a local tensor (sequence-sharded with sequence parallel);
+    the last stage returns logits (a vocab-sharded DTensor with loss parallel)."""
+    p, t, m = cfg.parallel, cfg.training, cfg.model.args()
+    dtype = _activation_dtype(cfg)
+    seq = t.seq_len // p.tp if p.tp > 1 and p.sequence_parallel else t.seq_len
+    hidden = torch.empty(t.micro_batch_size, seq, m.dim, dtype=dtype, device="meta", requires_grad=True)
+    if stage == 0:
+        inputs: tuple = (torch.empty(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta"),)
+    else:
+        inputs = (hidden,)
+    if stage < p.pp_num_stages - 1:
+        return inputs, (hidden,), None
+    if p.tp > 1 and p.loss_parallel:
+        from torch.distributed.tensor import DTensor, Shard
+
+        local = torch.empty(t.micro_batch_size, t.seq_len, m.vocab_size // p.tp, dtype=dtype, device="meta")
+        logits = DTensor.from_local(local, tp_mesh, [Shard(2)], run_check=False).requires_grad_(True)
+        grad = DTensor.from_local(local, tp_mesh, [Shard(2)], run_check=False)
+        return inputs, (logits,), (grad,)
+    logits = torch.empty(
+        t.micro_batch_size, t.seq_len, m.vocab_size, dtype=dtype, device="meta", requires_grad=True
+    )
+    return inputs, (logits,), None
+
+
+def _active_tracker() -> Any:
+    """The memory tracker of the active (tracking) fake mode, if any."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    tracker = getattr(mode, "tracker", None)
+    return tracker if tracker is not None and tracker.active else None
+
+
+def _stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
+
+    class TrackedStage(PipelineStage):
+        """``PipelineStage`` that tells the tracker which micro batch it computes and labels its p2p receive
+        buffers (one per micro batch, allocated by torch 2.13 at the first step and kept) as ``Other``."""
+
+        def _label(self, mb: int) -> None:
+            tracker = _active_tracker()
+            if tracker is not None:
+                tracker.micro_batch = mb
+
+        def _mark_buffers(self, infos: Any) -> None:
+            tracker = _active_tracker()
+            if tracker is None:
+                return
+            for recv in infos.values():
+                for info in recv:
+                    if not info.is_root_arg and info.buffer is not None:
+                        tracker.mark(info.buffer, Category.OTHER)
+
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            out = super()._prepare_forward_infra(*args, **kwargs)
+            self._mark_buffers(self.args_recv_info)
+            return out
+
+        def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            out = super()._prepare_backward_infra(*args, **kwargs)
+            self._mark_buffers(self.grad_recv_info)
+            return out
+
+        def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+            # The tracker's ModTracker (torch 2.13 mod_tracker._fw_post_hook) registers an "all"-mode multi-grad
+            # hook on the stage module's inputs; the received activation is an autograd leaf, and zero-bubble
+            # schedules' input-only backward (autograd.grad) rejects leaves there ("A leaf node was passed to
+            # _will_engine_execute_node"). A view of the leaf (no allocation, same gradient) keeps it out.
+            args = tuple(
+                a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
+                for a in args
+            )
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self._label(fwd_chunk_id)
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self._label(bwd_chunk_id)
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self._label(bwd_chunk_id)
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    return TrackedStage
+
+
+def static_vote_patch() -> Patch:
+    """torch 2.13 ``_PipelineSchedule._warmup_p2p`` runs a P2P vote on whether every stage has static metadata and
+    reads its outcome with ``.item()`` — a data-dependent read that fake tensors cannot answer. Every rank of the
+    simulated job gives complete static metadata (this module does), so the vote's outcome is known: STATIC. The
+    replacement sets it per stage, refusing a stage whose metadata is incomplete instead of guessing."""
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    def warmup_static(self: Any, stages: list, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise PipelineError(
+                    f"stage {stage.stage_index} lacks static input/output metadata; a dry run cannot infer it"
+                )
+            stage._inference_mode = InferenceMode.STATIC
+
+    return Patch(
+        _PipelineSchedule,
+        "_warmup_p2p",
+        warmup_static,
+        "torch 2.13 _PipelineSchedule._warmup_p2p reads the P2P metadata vote with .item(), data-dependent on "
+        "fake tensors (DataDependentOutputException)",
+    )
+
+
+class LlamaPipeline:
+    """The pipeline-parallel part of the built-in recipe: split + parallelize (on meta), then each step runs the
+    schedule over this rank's stages and the optimizer.
+
+    >>> pipe = LlamaPipeline(cfg, parallelize_stage, loss_fn, loss_context)
+    >>> simulate(..., parallelize_fn=pipe.parallelize, step_fn=pipe.step)
+    """
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        parallelize_stage: Callable[[nn.Module, Any], nn.Module | None],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        self.cfg = cfg
+        self.parallelize_stage = parallelize_stage
+        self.loss_fn = loss_fn
+        self.loss_context = loss_context
+        self.pp_rank = pp_rank_of(cfg.world.rank, cfg)
+        self.stage_ids = stage_indices(self.pp_rank, cfg)
+        self.num_stages = cfg.parallel.pp_num_stages
+        self.schedule: Any = None
+        self._mesh: Any = None
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
+        """Cut this rank's stages from the meta model and parallelize each (TP, AC, FSDP) as the recipe does."""
+        mesh_pp = mesh["pp"].get_local_rank()
+        if mesh_pp != self.pp_rank:
+            raise PipelineError(
+                f"the mesh puts this rank on pipeline rank {mesh_pp}, the job's rank {self.cfg.world.rank} "
+                f"is on pipeline rank {self.pp_rank}"
+            )
+        self._mesh = mesh
+        parts = [
+            self.parallelize_stage(part, mesh) or part
+            for part in split_stages(model, self.cfg, self.stage_ids)
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        return PipelineStages({f"stage{s}": part for s, part in zip(self.stage_ids, parts, strict=True)})
+
+    def _parts(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.values()) if isinstance(model, PipelineStages) else [model]
+
+    def _build_schedule(self, model: nn.Module, device: torch.device) -> Any:
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        cls = get_schedule_class(self.cfg.parallel.pp_schedule)
+        stage_cls = _stage_class()
+        tp_mesh = self._mesh["tp"] if self.cfg.parallel.tp > 1 else None
+        stages = []
+        for s, part in zip(self.stage_ids, self._parts(model), strict=True):
+            inputs, outputs, output_grads = stage_io_examples(self.cfg, s, tp_mesh)
+            kwargs: dict[str, Any] = {"input_args": inputs, "output_args": outputs}
+            if output_grads is not None:
+                kwargs["output_grads"] = output_grads
+                kwargs["input_grads"] = tuple(x.detach() for x in inputs)
+            stages.append(
+                stage_cls(part, s, self.num_stages, device, group=self._mesh["pp"].get_group(), **kwargs)
+            )
+        n = self.cfg.training.num_micro_batches
+        if issubclass(cls, PipelineScheduleSingle):
+            return cls(stages[0], n_microbatches=n, loss_fn=self.loss_fn, scale_grads=True)
+        return cls(stages, n_microbatches=n, loss_fn=self.loss_fn, scale_grads=True)
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[Any]) -> None:
+        """One training step: the whole local batch through the schedule, then the optimizer (torchtitan's
+        ``train_step`` with pp; ``return_outputs=False`` so the last stage keeps no logits)."""
+        micro = list(batches)
+        tokens = torch.cat([b[0] for b in micro])
+        labels = torch.cat([b[1] for b in micro])
+        del micro
+        tracker = _active_tracker()
+        if tracker is not None:  # the batch, like the engine's micro batches, is input data: "Other"
+            tracker.mark(tokens, Category.OTHER)
+            tracker.mark(labels, Category.OTHER)
+        if self.schedule is None:
+            device = next(iter(model.parameters())).device
+            self.schedule = self._build_schedule(model, device)
+        losses: list | None = [] if self.has_last else None
+        target = labels if self.has_last else None
+        args = (tokens,) if self.has_first else ()
+        with PatchSet([static_vote_patch()]), self.loss_context():
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        del tokens, labels, target, losses
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def metadata(self) -> dict[str, Any]:
+        """What the report says about this rank's place in the pipeline."""
+        ranges = stage_layer_ranges(self.cfg)
+        p = self.cfg.parallel
+        return {
+            "schedule": p.pp_schedule,
+            "pp_rank": self.pp_rank,
+            "num_stages": self.num_stages,
+            "stages_per_rank": p.pp_stages_per_rank,
+            "stage_indices": list(self.stage_ids),
+            "stage_layers": {str(s): [ranges[s].start, ranges[s].stop] for s in self.stage_ids},
+            "layers_per_stage": [len(r) for r in ranges],
+            "num_micro_batches": self.cfg.training.num_micro_batches,
+            "has_embedding": self.has_first,
+            "has_head": self.has_last,
+        }
