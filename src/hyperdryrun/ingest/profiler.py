@@ -14,6 +14,7 @@ storage is alive; the live allocation at that pointer takes the category.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -25,10 +26,13 @@ import torch
 from hyperdryrun.ingest.events import AllocEvent, normalize_device
 from hyperdryrun.trace.blocks import Category, Phase, stronger
 from hyperdryrun.trace.stacks import MAX_FRAMES, Frame, user_frame
+from hyperdryrun.trace.tracker import RESIZE_OP
 
 MARK_PREFIX = "hyperdryrun::mark::"
 MICRO_BATCH_PREFIX = "hyperdryrun::micro_batch::"
 _OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
+_ADDRESS = re.compile(r" (of [^>]* )?at 0x[0-9a-fA-F]+")
+_NOT_OPS = ("autograd::", "hyperdryrun::", "profiler::", "ProfilerStep")
 _AUTOGRAD_PREFIX = "autograd::engine::evaluate_function"
 # Ops that only hand out memory: the allocation is named after the op that called them.
 _ALLOCATING_OPS = {
@@ -94,6 +98,7 @@ class _Context:
 
     op: str = ""
     op_id: Hashable | None = None
+    kernel_end: int | None = None
     backward_seq: int | None = None
     in_backward: bool = False
     module: str = ""
@@ -154,11 +159,14 @@ def events_from_profiler(
             if name.startswith(_AUTOGRAD_PREFIX):
                 ctx.in_backward, ctx.backward_seq = True, extra.sequence_number
                 ctx.module, ctx.module_in_backward = seq_module.get(extra.sequence_number, ""), False
-            elif name.startswith("aten::"):
+            elif "::" in name and not name.startswith(_NOT_OPS):
+                # A dispatcher op (aten, c10d, _c10d_functional...): the outermost is the task.
                 if ctx.op_id is None:
                     ctx.op_id = ("op", e.start_tid, e.start_time_ns, name)
+                if ctx.kernel_end is None and not _composite(name):
+                    ctx.kernel_end = e.end_time_ns
                 if name not in _ALLOCATING_OPS or not ctx.op:
-                    ctx.op = name.removeprefix("aten::")
+                    ctx.op = name.split("::", 1)[1]
                 if not ctx.in_backward and extra.sequence_number >= 0 and ctx.module:
                     seq_module.setdefault(extra.sequence_number, ctx.module)
         elif kind in (_EventType.PyCall, _EventType.PyCCall):
@@ -178,6 +186,7 @@ def events_from_profiler(
     if not saw_memory:
         raise ProfilerIngestError("the profile has no memory events: profile with profile_memory=True")
     flat.sort(key=lambda item: item[0].start_time_ns)
+    scratch = _kernel_scratch(flat)
     categories = _categories_from_marks(flat, sorted(marks, key=lambda m: m[0]))
 
     micro_batches.sort()
@@ -209,7 +218,7 @@ def events_from_profiler(
                 time_ns=int(e.start_time_ns),
                 key=key,
                 nbytes=size,
-                op=ctx.op or (e.parent.name if e.parent is not None else ""),
+                op=ctx.op or _call_name(e.parent),
                 op_id=ctx.op_id,
                 phase=phase,
                 module=ctx.module,
@@ -217,9 +226,56 @@ def events_from_profiler(
                 category=categories.get(f.allocation_id),
                 device=dev,
                 micro_batch=micro_batch,
+                scratch=f.allocation_id in scratch,
             )
         )
     return events
+
+
+def _call_name(parent: Any) -> str:
+    """Name of a non-aten allocation site (a Python call), stable across runs (no object addresses)."""
+    if parent is None:
+        return "<unknown>"
+    name = parent.name
+    if "method resize_ of torch.storage.UntypedStorage" in name:
+        return RESIZE_OP
+    return _ADDRESS.sub("", name)
+
+
+@lru_cache(maxsize=None)
+def _composite(name: str) -> bool:
+    """Whether an aten op decomposes above the dispatcher's backends (CompositeImplicitAutograd): a dry run sees
+    the ops it decomposes into, not the op itself. Overloads are not in the profile; any composite one counts."""
+    if not name.startswith("aten::"):
+        return False
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    if packet is None:
+        return False
+    base = name if name.startswith("aten::") else f"aten::{name}"
+    for ov in packet.overloads():
+        qualified = base if ov == "default" else f"{base}.{ov}"
+        try:
+            if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"):
+                return True
+        except RuntimeError:  # an overload registered only for some backends (e.g. a TorchScript-only one)
+            continue
+    return False
+
+
+def _kernel_scratch(flat: list[tuple[Any, _Context]]) -> set[int]:
+    """Allocation ids freed before the kernel that allocated them returned (workspace, not an output)."""
+    inside: dict[int, int] = {}
+    out: set[int] = set()
+    for e, ctx in flat:
+        f = e.typed[1]
+        if f.alloc_size > 0:
+            if ctx.kernel_end is not None:
+                inside[f.allocation_id] = ctx.kernel_end
+        else:
+            end = inside.pop(f.allocation_id, None)
+            if end is not None and e.start_time_ns <= end:
+                out.add(f.allocation_id)
+    return out
 
 
 def _inside(spans: list[tuple[int, int]], t: int) -> bool:

@@ -39,6 +39,11 @@ FAKE_PG_LIMITATION = (
     "measured with real tensors for one rank and the fake process group: collectives allocate their outputs "
     "but move no data, and the other ranks were not run"
 )
+KERNEL_SCRATCH_NOTE = (
+    "blocks allocated and freed inside one kernel (e.g. oneDNN's bf16 GEMM scratchpad, a CPU mm's contiguous "
+    "copy of an operand) are real and counted in peak_bytes; a dry run records op outputs only, so "
+    "peak_bytes_excluding is the figure that counts what it counts"
+)
 PROFILER_LIMITATION = (
     "measured from torch.profiler memory events on the '{device}' allocator: every allocation the step made, "
     "including scratch buffers inside kernels that a dry run does not see"
@@ -79,7 +84,13 @@ def measure(
     stage = "world"
     t0 = time.perf_counter()
     world = SimulatedWorld(
-        world_size, rank, local_rank, mesh_shape, mesh_dim_names, target_device=device, simulation_device=device
+        world_size,
+        rank,
+        local_rank,
+        mesh_shape,
+        mesh_dim_names,
+        target_device=device,
+        simulation_device=device,
     )
     try:
         with world:
@@ -125,6 +136,7 @@ def measure(
             if not capture_stacks:
                 events = [dataclasses.replace(e, frames=()) for e in events]
             del prof
+            core = trace_from_events([e for e in events if not e.scratch], resident=resident, alignment=1)
             trace = trace_from_events(
                 events,
                 resident=resident,
@@ -140,6 +152,11 @@ def measure(
                     "optimizer": type(optimizer).__name__,
                     **(metadata or {}),
                     "mode": "measured",
+                    "kernel_scratch": {
+                        "peak_bytes_excluding": core.peak,
+                        "num_blocks": sum(1 for e in events if e.scratch and e.nbytes > 0),
+                        "note": KERNEL_SCRATCH_NOTE,
+                    },
                 },
                 limitations=[PROFILER_LIMITATION.format(device=device)]
                 + ([FAKE_PG_LIMITATION] if world_size > 1 else []),
