@@ -18,7 +18,7 @@ import re
 import sys
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import torch
@@ -163,7 +163,7 @@ def events_from_profiler(
                 # A dispatcher op (aten, c10d, _c10d_functional...): the outermost is the task.
                 if ctx.op_id is None:
                     ctx.op_id = ("op", e.start_tid, e.start_time_ns, name)
-                if ctx.kernel_end is None and not _composite(name):
+                if ctx.kernel_end is None and not _composite(name) and not _runs_python(e, _EventType):
                     ctx.kernel_end = e.end_time_ns
                 if name not in _ALLOCATING_OPS or not ctx.op:
                     ctx.op = name.split("::", 1)[1]
@@ -242,7 +242,13 @@ def _call_name(parent: Any) -> str:
     return _ADDRESS.sub("", name)
 
 
-@lru_cache(maxsize=None)
+def _runs_python(e: Any, kinds: Any) -> bool:
+    """Whether an op ran Python inside (a tensor subclass such as DTensor, or a Python kernel): then it is not one
+    kernel, and the ops its Python code issues are what a dry run sees."""
+    return any(c.typed[0] in (kinds.PyCall, kinds.PyCCall) or c.name == "PythonSubclass" for c in e.children)
+
+
+@cache
 def _composite(name: str) -> bool:
     """Whether an aten op decomposes above the dispatcher's backends (CompositeImplicitAutograd): a dry run sees
     the ops it decomposes into, not the op itself. Overloads are not in the profile; any composite one counts."""
