@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hyperdryrun.trace.blocks import ALIGNMENT
 from hyperdryrun.trace.tracker import MemoryTracker, TrackingFakeTensorMode
 from hyperdryrun.world.kernels import target_kernel_patches
-from hyperdryrun.world.patches import PatchSet
+from hyperdryrun.world.patches import Patch, PatchSet
 
 
 class WorldError(RuntimeError):
@@ -95,6 +95,7 @@ class SimulatedWorld:
             self.mesh = init_device_mesh(self.device, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
             stack.enter_context(PatchSet(target_kernel_patches(self.target_device, self.device)))
             self.fake_mode = TrackingFakeTensorMode(allow_non_fake_inputs=True)
+            stack.enter_context(PatchSet([_untracked_sharding_propagation(self.fake_mode)]))
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -133,6 +134,29 @@ class SimulatedWorld:
                 "(512 B rounding, SDPA backend selection, fused dropout, optimizer implementation)"
             )
         return out
+
+
+def _untracked_sharding_propagation(mode: TrackingFakeTensorMode) -> Patch:
+    """DTensor's shape inference must not count as memory: it runs the op at global shape on fake tensors."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    orig = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: ShardingPropagator, op_schema: Any) -> Any:
+        tracker, mode.tracker = mode.tracker, None
+        try:
+            return orig(self, op_schema)
+        finally:
+            mode.tracker = tracker
+
+    return Patch(
+        ShardingPropagator,
+        "_propagate_tensor_meta_non_cached",
+        propagate,
+        "torch 2.13 ShardingPropagator._propagate_tensor_meta_non_cached runs each new op at global shape under "
+        "detect_fake_mode(), which inside the dry run is the tracking mode; a real run uses a fresh FakeTensorMode "
+        "there, so those placeholder and output tensors take no memory",
+    )
 
 
 def _save_globals() -> dict[str, Any]:
