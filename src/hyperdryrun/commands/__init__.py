@@ -1,0 +1,1 @@
+"""Subcommands beyond ``run``: each module exposes ``register(subparsers)``; the CLI wires them in."""
