@@ -85,6 +85,8 @@ class SimulatedWorld:
         self._stack = stack
         try:
             stack.callback(_restore_globals, _save_globals())
+            _clear_dtensor_caches()
+            stack.callback(_clear_dtensor_caches)
             from torch.testing._internal.distributed.fake_pg import FakeStore
 
             dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
@@ -134,6 +136,19 @@ class SimulatedWorld:
                 "(512 B rounding, SDPA backend selection, fused dropout, optimizer implementation)"
             )
         return out
+
+
+def _clear_dtensor_caches() -> None:
+    """torch 2.13 DTensor caches sharding decisions keyed by DeviceMesh, whose equality ignores the process groups:
+    after one world is destroyed, the next world's equal-looking mesh would get specs naming the old, dead groups
+    ("Could not resolve the process group registered under the name ...")."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python LRU cache and the C++ fast path's
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    clear_redistribute_planner_cache()
 
 
 def _untracked_sharding_propagation(mode: TrackingFakeTensorMode) -> Patch:
