@@ -163,10 +163,14 @@ def events_from_profiler(
                 # A dispatcher op (aten, c10d, _c10d_functional...): the outermost is the task.
                 if ctx.op_id is None:
                     ctx.op_id = ("op", e.start_tid, e.start_time_ns, name)
-                if ctx.kernel_end is None and not _composite(name) and not _runs_python(e, _EventType):
-                    ctx.kernel_end = e.end_time_ns
-                if name not in _ALLOCATING_OPS or not ctx.op:
-                    ctx.op = name.split("::", 1)[1]
+                if ctx.kernel_end is None:
+                    # Named after the kernel a dry run dispatches (addmm for linear, the local op under DTensor);
+                    # above it, after the innermost op that is more than an allocation.
+                    if not _composite(name) and not _runs_python(e, _EventType):
+                        ctx.kernel_end = e.end_time_ns
+                        ctx.op = name.split("::", 1)[1]
+                    elif name not in _ALLOCATING_OPS or not ctx.op:
+                        ctx.op = name.split("::", 1)[1]
                 if not ctx.in_backward and extra.sequence_number >= 0 and ctx.module:
                     seq_module.setdefault(extra.sequence_number, ctx.module)
         elif kind in (_EventType.PyCall, _EventType.PyCCall):
@@ -186,14 +190,14 @@ def events_from_profiler(
     if not saw_memory:
         raise ProfilerIngestError("the profile has no memory events: profile with profile_memory=True")
     flat.sort(key=lambda item: item[0].start_time_ns)
-    scratch = _kernel_scratch(flat)
-    categories = _categories_from_marks(flat, sorted(marks, key=lambda m: m[0]))
+    keys = _allocation_keys(flat)
+    scratch = _kernel_scratch(flat, keys)
+    categories = _categories_from_marks(flat, keys, sorted(marks, key=lambda m: m[0]))
 
     micro_batches.sort()
     events: list[AllocEvent] = []
-    seen: set[int] = set()
     mb_index, micro_batch = 0, 0
-    for e, ctx in flat:
+    for (e, ctx), key in zip(flat, keys, strict=True):
         while mb_index < len(micro_batches) and micro_batches[mb_index][0] <= e.start_time_ns:
             micro_batch = micro_batches[mb_index][1]
             mb_index += 1
@@ -202,11 +206,6 @@ def events_from_profiler(
         if device is not None and not dev.startswith(normalize_device(device)):
             continue
         size = int(f.alloc_size)
-        if size > 0:
-            seen.add(f.allocation_id)
-            key: Hashable = f.allocation_id
-        else:
-            key = f.allocation_id if f.allocation_id in seen else ("ptr", int(f.ptr))
         if _inside(optimizer_spans, e.start_time_ns):
             phase = Phase.OPTIMIZER
         elif ctx.in_backward:
@@ -223,10 +222,10 @@ def events_from_profiler(
                 phase=phase,
                 module=ctx.module,
                 frames=_user_frames(list(ctx.frames)) if size > 0 else (),
-                category=categories.get(f.allocation_id),
+                category=categories.get(key),
                 device=dev,
                 micro_batch=micro_batch,
-                scratch=f.allocation_id in scratch,
+                scratch=key in scratch,
             )
         )
     return events
@@ -268,19 +267,44 @@ def _composite(name: str) -> bool:
     return False
 
 
-def _kernel_scratch(flat: list[tuple[Any, _Context]]) -> set[int]:
-    """Allocation ids freed before the kernel that allocated them returned (workspace, not an output)."""
-    inside: dict[int, int] = {}
-    out: set[int] = set()
-    for e, ctx in flat:
+def _allocation_keys(flat: list[tuple[Any, _Context]]) -> list[Hashable]:
+    """One key per event, shared by an allocation and its free: the profiler's allocation id where it assigned
+    one (torch 2.13 does with ``record_shapes=True``), else the pointer, paired in time order (a pointer is not
+    handed out again before it is freed). A free of memory allocated before profiling began is ``("ptr", p)``."""
+    keys: list[Hashable] = []
+    allocated: set[Hashable] = set()
+    live: dict[tuple[str, int], Hashable] = {}
+    for i, (e, _) in enumerate(flat):
         f = e.typed[1]
+        where = (str(f.device), int(f.ptr))
+        aid = f.allocation_id
         if f.alloc_size > 0:
-            if ctx.kernel_end is not None:
-                inside[f.allocation_id] = ctx.kernel_end
+            key: Hashable = aid if aid is not None else ("alloc", i)
+            allocated.add(key)
+            live[where] = key
         else:
-            end = inside.pop(f.allocation_id, None)
+            if aid is not None:
+                key = aid if aid in allocated else ("ptr", int(f.ptr))
+            else:
+                key = live.get(where, ("ptr", int(f.ptr)))
+            if live.get(where) == key:
+                del live[where]
+        keys.append(key)
+    return keys
+
+
+def _kernel_scratch(flat: list[tuple[Any, _Context]], keys: list[Hashable]) -> set[Hashable]:
+    """Keys of allocations freed before the kernel that allocated them returned (workspace, not an output)."""
+    inside: dict[Hashable, int] = {}
+    out: set[Hashable] = set()
+    for (e, ctx), key in zip(flat, keys, strict=True):
+        if e.typed[1].alloc_size > 0:
+            if ctx.kernel_end is not None:
+                inside[key] = ctx.kernel_end
+        else:
+            end = inside.pop(key, None)
             if end is not None and e.start_time_ns <= end:
-                out.add(f.allocation_id)
+                out.add(key)
     return out
 
 
@@ -288,22 +312,24 @@ def _inside(spans: list[tuple[int, int]], t: int) -> bool:
     return any(a <= t <= b for a, b in spans)
 
 
-def _categories_from_marks(flat: list[tuple[Any, _Context]], marks: list[tuple[int, int, Category]]):
-    """Allocation id -> category: each marker names the allocation live at its pointer at its time."""
-    out: dict[int, Category] = {}
-    live: dict[int, int] = {}  # ptr -> allocation id
+def _categories_from_marks(
+    flat: list[tuple[Any, _Context]], keys: list[Hashable], marks: list[tuple[int, int, Category]]
+) -> dict[Hashable, Category]:
+    """Allocation key -> category: each marker names the allocation live at its pointer at its time."""
+    out: dict[Hashable, Category] = {}
+    live: dict[int, Hashable] = {}  # ptr -> key
     i = 0
     for t, ptr, cat in marks:
         while i < len(flat) and flat[i][0].start_time_ns <= t:
             f = flat[i][0].typed[1]
             if f.alloc_size > 0:
-                live[int(f.ptr)] = f.allocation_id
-            elif live.get(int(f.ptr)) == f.allocation_id:
+                live[int(f.ptr)] = keys[i]
+            elif live.get(int(f.ptr)) == keys[i]:
                 del live[int(f.ptr)]
             i += 1
-        aid = live.get(ptr)
-        if aid is not None:
-            out[aid] = stronger(out.get(aid), cat)
+        key = live.get(ptr)
+        if key is not None:
+            out[key] = stronger(out.get(key), cat)
     return out
 
 
