@@ -242,9 +242,13 @@ def _call_name(parent: Any) -> str:
 
 
 def _runs_python(e: Any, kinds: Any) -> bool:
-    """Whether an op ran Python inside (a tensor subclass such as DTensor, or a Python kernel): then it is not one
-    kernel, and the ops its Python code issues are what a dry run sees."""
-    return any(c.typed[0] in (kinds.PyCall, kinds.PyCCall) or c.name == "PythonSubclass" for c in e.children)
+    """Whether an op dispatched to Python (a tensor subclass such as DTensor, or a dispatch mode): then it is not
+    one kernel, and the ops its Python code issues are what a dry run sees. Other Python inside an op (a garbage
+    collection running weakref callbacks during a slow kernel) does not count."""
+    return any(
+        c.name == "PythonSubclass" or (c.typed[0] == kinds.PyCall and c.name.endswith("__torch_dispatch__"))
+        for c in e.children
+    )
 
 
 @cache

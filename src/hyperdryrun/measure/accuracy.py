@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyperdryrun.config import build_config
+from hyperdryrun.report.build import phases
+from hyperdryrun.trace.blocks import STEP_PHASES
 
 BASE: dict[str, Any] = {"model": {"name": "llama-tiny"}, "training": {"seq_len": 64}, "target_device": "cpu"}
 """Every row: the small preset on CPU semantics (both sides allocate exact bytes)."""
@@ -85,6 +87,8 @@ class Accuracy:
     measured_peak_without_scratch: int
     dry_peak_phase: str
     measured_peak_phase: str
+    phase_peaks: dict[str, tuple[int, int]]
+    """Per step phase: (dry-run peak, measured peak without kernel scratch)."""
 
     @property
     def diff(self) -> int:
@@ -94,6 +98,14 @@ class Accuracy:
     @property
     def rel(self) -> float:
         return self.diff / self.measured_peak_without_scratch
+
+    @property
+    def worst_phase_rel(self) -> float:
+        """Largest relative difference among the per-phase peaks (0 when both sides have the same phases)."""
+        worst = 0.0
+        for dry, measured in self.phase_peaks.values():
+            worst = max(worst, abs(measured - dry) / max(measured, dry, 1))
+        return worst
 
     @property
     def scratch(self) -> int:
@@ -114,6 +126,8 @@ def compare_job(name: str, data: dict[str, Any]) -> Accuracy:
     cfg = build_config(data)
     dry = run_job(cfg, capture_stacks=False)
     measured = measure_job(cfg, capture_stacks=False)
+    measured_phases = measured.metadata["kernel_scratch"]["phase_peak_bytes_excluding"]
+    dry_phases = phases(dry)  # from block lifetimes, the definition the measured side uses
     return Accuracy(
         name=name,
         dry_peak=dry.peak,
@@ -121,4 +135,9 @@ def compare_job(name: str, data: dict[str, Any]) -> Accuracy:
         measured_peak_without_scratch=measured.metadata["kernel_scratch"]["peak_bytes_excluding"],
         dry_peak_phase=str(dry.task_phase[dry.peak_task]) if dry.peak_task >= 0 else "",
         measured_peak_phase=str(measured.task_phase[measured.peak_task]) if measured.peak_task >= 0 else "",
+        phase_peaks={
+            str(ph): (dry_phases.get(str(ph), {}).get("peak_bytes", 0), measured_phases.get(str(ph), 0))
+            for ph in STEP_PHASES
+            if str(ph) in dry_phases or str(ph) in measured_phases
+        },
     )

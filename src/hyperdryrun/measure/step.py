@@ -31,7 +31,7 @@ from hyperdryrun.engine import (
 )
 from hyperdryrun.ingest.events import trace_from_events
 from hyperdryrun.ingest.profiler import events_from_profiler, mark, mark_micro_batch, resident_events
-from hyperdryrun.trace.blocks import Category
+from hyperdryrun.trace.blocks import STEP_PHASES, Category
 from hyperdryrun.trace.tracker import clean_fqn, local_tensor
 from hyperdryrun.world import SimulatedWorld
 
@@ -154,6 +154,9 @@ def measure(
                     "mode": "measured",
                     "kernel_scratch": {
                         "peak_bytes_excluding": core.peak,
+                        "phase_peak_bytes_excluding": {
+                            str(ph): core.phase_peak[ph] for ph in STEP_PHASES if ph in core.phase_peak
+                        },
                         "num_blocks": sum(1 for e in events if e.scratch and e.nbytes > 0),
                         "note": KERNEL_SCRATCH_NOTE,
                     },
