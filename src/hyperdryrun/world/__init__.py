@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -180,6 +181,8 @@ def _save_globals() -> dict[str, Any]:
         "device": torch.get_default_device(),
         "environ": dict(os.environ),
         "grad": torch.is_grad_enabled(),
+        # torch 2.13 init_process_group wraps sys.excepthook with a "[rank<r>]:" prefix and never unwraps it.
+        "excepthook": sys.excepthook,
     }
 
 
@@ -187,6 +190,7 @@ def _restore_globals(saved: dict[str, Any]) -> None:
     torch.set_default_dtype(saved["dtype"])
     torch.set_default_device(saved["device"] if saved["device"].type != "cpu" else None)
     torch.set_grad_enabled(saved["grad"])
+    sys.excepthook = saved["excepthook"]
     if dict(os.environ) != saved["environ"]:
         os.environ.clear()
         os.environ.update(saved["environ"])
