@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ def global_state():
         torch.autograd.profiler._is_profiler_enabled,
         torch.get_default_dtype(),
         torch.is_grad_enabled(),
+        sys.excepthook,
     )
 
 
