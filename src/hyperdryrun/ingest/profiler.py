@@ -99,7 +99,6 @@ class _Context:
     op: str = ""
     op_id: Hashable | None = None
     kernel_end: int | None = None
-    backward_seq: int | None = None
     in_backward: bool = False
     module: str = ""
     module_in_backward: bool = False
@@ -112,7 +111,8 @@ def events_from_profiler(
     module_names: dict[int, str] | None = None,
     device: str | None = None,
 ) -> list[AllocEvent]:
-    """Allocation events of ``prof`` in time order, keyed by allocation id.
+    """Allocation events of ``prof`` in time order, keyed by allocation id (else by pointer, see
+    :func:`_allocation_keys`).
 
     ``module_names`` maps ``id(module)`` to its FQN (else modules are named by class). ``device`` keeps one
     device's events (default: all). A free of a storage allocated before profiling started is keyed
@@ -157,7 +157,7 @@ def events_from_profiler(
                 return
             ctx = _Context(**ctx.__dict__)
             if name.startswith(_AUTOGRAD_PREFIX):
-                ctx.in_backward, ctx.backward_seq = True, extra.sequence_number
+                ctx.in_backward = True
                 ctx.module, ctx.module_in_backward = seq_module.get(extra.sequence_number, ""), False
             elif "::" in name and not name.startswith(_NOT_OPS):
                 # A dispatcher op (aten, c10d, _c10d_functional...): the outermost is the task.
