@@ -57,6 +57,12 @@ freed before it returned (`metadata.kernel_scratch.peak_bytes_excluding`). The l
 peak minus that figure: 12 B where the peak falls in AdamW's foreach step (scalar copies), tens of KiB where bf16
 matmuls run on oneDNN, zero where the peak holds no scratch.
 
+**Per-module figures.** Parameter and buffer bytes per module agree exactly. Forward local peaks of the modules
+that allocate (leaf layers) agree where no kernel scratch falls inside them; backward local peaks are attributed
+differently (the dry run: the module whose backward hooks are running; measured: the module of the forward op
+with the same autograd sequence number), so outer modules' backward peaks are not comparable and are not asserted.
+Module input/output bytes and call counts are not measured (0 in measured reports).
+
 **Residual differences.**
 - TP rows, +4 B: comparing the two peak live sets, the measured one holds one extra 4-byte fp32 scalar, created by
   `_to_copy` inside `cross_entropy_loss` on the loss-parallel path and alive until the backward peak. The dry run

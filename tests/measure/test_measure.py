@@ -73,6 +73,23 @@ def test_at_the_optimizer_peak_every_gradient_and_state_is_live_and_categorised(
     assert (b["Parameter"], b["Gradient"], b["Optstate"]) == (n * F32, n * F32, 2 * n * F32)
 
 
+def test_module_parameter_bytes_follow_the_layer_shapes(tiny):
+    c, trace = tiny
+    a = c.model.args()
+    kv = a.n_kv_heads * a.head_dim
+    expected = {
+        "layers.0.attention.wq": a.dim * a.dim * F32,
+        "layers.1.attention.wk": a.dim * kv * F32,
+        "layers.0.feed_forward.w1": a.dim * a.ffn_dim * F32,
+        "output": a.vocab_size * a.dim * F32,
+        "<root>": a.num_params() * F32,
+    }
+    assert {k: trace.modules[k].param_bytes for k in expected} == expected
+    assert trace.modules["<root>"].buffer_bytes == c.training.seq_len * a.head_dim * F32
+    assert trace.modules["layers"].fw_peak == 0  # a ModuleDict is never called
+    assert 0 < trace.modules["layers.0.attention.wq"].fw_peak <= trace.modules["<root>"].fw_peak <= trace.peak
+
+
 def test_metadata_says_measured_and_reports_kernel_scratch(tiny):
     _, trace = tiny
     md = trace.metadata
