@@ -64,9 +64,11 @@ with the same autograd sequence number), so outer modules' backward peaks are no
 Module input/output bytes and call counts are not measured (0 in measured reports).
 
 **Residual differences.**
-- TP rows, +4 B: comparing the two peak live sets, the measured one holds one extra 4-byte fp32 scalar, created by
-  `_to_copy` inside `cross_entropy_loss` on the loss-parallel path and alive until the backward peak. The dry run
-  has no such block; which op of the fake run elides it has not been traced yet.
+- TP rows, +4 B: torch's loss-parallel `_nll_loss_forward` computes
+  `total_weight = (target != ignore_index).sum().to(x)` and autograd keeps it for the backward. The real run
+  allocates that fp32 scalar (`_to_copy`, 4 B, alive from the loss to the backward peak); in the dry run the int64
+  `sum` is tracked but no block appears for its `.to(x)` copy. Why the tracker misses that one copy has not been
+  traced yet; it is a dry-run gap of 4 bytes, not a measurement artefact.
 - Every other row: 0 B.
 
 **What this suite found in the dry run** (fixed on branch `ground`, see its commits):
