@@ -48,6 +48,7 @@ _METADATA_OPS = {
     _aten._has_compatible_shallow_copy_type.default,
 }
 RESIZE_OP = "storage.resize_"
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
 def clean_fqn(name: str) -> str:
@@ -269,6 +270,8 @@ class MemoryTracker:
         # indices, which CUDA's kernel does not), so only the outermost op's outputs count.
         if self._depth > 1 or self._skip(func):
             return
+        if func is _WAIT_TENSOR and self._alias(args[0], out):
+            return
         live = self._live
         used = []
         inputs = set()  # an output on an input's storage (in-place, out=) is no allocation, tracked or not
@@ -313,6 +316,21 @@ class MemoryTracker:
             for st in new:
                 self._open(st, id(st), task, name, phase, sid)
         self._end_task(phase)
+
+    def _alias(self, inp: Any, out: Any) -> bool:
+        """``out`` is ``inp``'s memory: torch 2.13's real ``_c10d_functional.wait_tensor`` returns its input, while
+        its Meta kernel (used under fake mode) returns ``empty_like(input)``. The block moves to ``out``'s storage."""
+        if not isinstance(inp, torch.Tensor) or not isinstance(out, torch.Tensor):
+            return False
+        src, dst = inp.untyped_storage(), out.untyped_storage()
+        blk = self._live.pop(id(src), None)
+        if blk is None:
+            return False
+        key = id(dst)
+        self._live[key] = blk
+        if key not in self._refs:
+            self._refs[key] = weakref.ref(dst, self._storage_died(key))
+        return True
 
     def _end_task(self, phase: Phase) -> None:
         cur = self.current
