@@ -85,6 +85,8 @@ class ParallelConfig(_Strict):
     """Pipeline stages per rank: 1 for single-stage schedules, 2 by default for multi-stage ones."""
     pp_stage_layers: list[int] | None = None
     """Decoder layers of each pipeline stage, in stage order (default: torchtitan's even split)."""
+    cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How ring attention passes K/V between CP ranks (torch 2.13 ``set_rotate_method``; torchtitan's default)."""
 
     @field_validator("pp_stage_layers")
     @classmethod
@@ -157,7 +159,7 @@ class JobConfig(_Strict):
     @model_validator(mode="after")
     def _layout(self) -> JobConfig:
         p, w, m = self.parallel, self.world, self.model.args()
-        for name in ("cp", "ep", "etp"):
+        for name in ("ep", "etp"):
             if getattr(p, name) > 1:
                 raise ValueError(
                     f"parallel.{name}={getattr(p, name)} is not supported yet (dense FSDP/TP only)"
@@ -189,12 +191,33 @@ class JobConfig(_Strict):
             )
         if p.pp > 1:
             self._check_pipeline()
+        if p.cp > 1:
+            self._check_context_parallel()
         if self.training.ac == "selective" and self.training.ac_selective != "op":
             if int(self.training.ac_selective) > m.n_layers:
                 raise ValueError(
                     f"training.ac_selective={self.training.ac_selective} exceeds model.n_layers={m.n_layers}"
                 )
         return self
+
+    def _check_context_parallel(self) -> None:
+        """Context parallel: the head-tail load-balanced sequence split and what it can be combined with."""
+        p, seq = self.parallel, self.training.seq_len
+        if seq % (2 * p.cp):
+            raise ValueError(
+                f"training.seq_len={seq} is not divisible by 2*parallel.cp={2 * p.cp} (context parallel's "
+                "load-balanced layout splits the sequence into 2*cp chunks, two per rank)"
+            )
+        if p.tp > 1 and p.sequence_parallel and (seq // p.cp) % p.tp:
+            raise ValueError(
+                f"training.seq_len/parallel.cp={seq // p.cp} is not divisible by parallel.tp={p.tp} "
+                "(sequence parallel shards each context-parallel shard of the sequence)"
+            )
+        if p.pp > 1:
+            raise ValueError(
+                f"parallel.cp={p.cp} with parallel.pp={p.pp} is not supported yet "
+                "(this recipe's pipeline step does not run its stages under the context-parallel context)"
+            )
 
     def _check_pipeline(self) -> None:
         """The pipeline layout: schedule vs stages per rank, the layer split, micro batches per schedule."""
