@@ -218,6 +218,25 @@ class JobConfig(_Strict):
                 f"parallel.cp={p.cp} with parallel.pp={p.pp} is not supported yet "
                 "(this recipe's pipeline step does not run its stages under the context-parallel context)"
             )
+        if self.target_device != "cuda":
+            raise ValueError(
+                f"parallel.cp={p.cp} needs target_device=cuda, got {self.target_device!r} (torch 2.13 ring attention "
+                "only dispatches the CUDA flash, memory-efficient and cuDNN SDPA kernels)"
+            )
+        compute = self.training.param_dtype or self.training.dtype
+        m = self.model.args()
+        if compute == "fp32" and m.n_kv_heads != m.n_heads:
+            raise ValueError(
+                f"parallel.cp={p.cp} with fp32 compute and grouped-query attention (model.n_kv_heads={m.n_kv_heads} "
+                f"< n_heads={m.n_heads}) is not supported: CUDA runs that SDPA with the math kernel (flash and cuDNN "
+                "need bf16/fp16, memory-efficient has no GQA in torch 2.13), which ring attention does not handle"
+            )
+        if compute == "fp32" and (seq // (2 * p.cp)) % 32:
+            raise ValueError(
+                f"training.seq_len={seq} with parallel.cp={p.cp} and fp32 compute: the memory-efficient SDPA kernel "
+                "pads its logsumexp to a multiple of 32 rows, so ring attention's half-shard merge needs "
+                f"seq_len/(2*cp)={seq // (2 * p.cp)} to be a multiple of 32"
+            )
 
     def _check_pipeline(self) -> None:
         """The pipeline layout: schedule vs stages per rank, the layer split, micro batches per schedule."""
