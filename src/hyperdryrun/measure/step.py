@@ -79,13 +79,7 @@ def measure(
     stage = "world"
     t0 = time.perf_counter()
     world = SimulatedWorld(
-        world_size,
-        rank,
-        local_rank,
-        mesh_shape,
-        mesh_dim_names,
-        target_device=device,
-        simulation_device=device,
+        world_size, rank, local_rank, mesh_shape, mesh_dim_names, target_device=device, simulation_device=device
     )
     try:
         with world:
