@@ -90,17 +90,6 @@ def cp_globals(rotate_method: str) -> Iterator[None]:
         _clear_fast_path_sharding_prop_cache()
 
 
-def head_tail_indices(seq_len: int, cp: int, cp_rank: int) -> list[int]:
-    """Sequence positions rank ``cp_rank`` holds under torch's head-tail load balancing: chunk ``cp_rank`` and chunk
-    ``2*cp-1-cp_rank`` of ``2*cp`` equal chunks (the causal work is then equal on every rank)."""
-    if seq_len % (2 * cp):
-        raise ValueError(f"seq_len={seq_len} is not divisible by 2*cp={2 * cp}")
-    c = seq_len // (2 * cp)
-    return list(range(cp_rank * c, (cp_rank + 1) * c)) + list(
-        range((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c)
-    )
-
-
 class ContextParallelStep:
     """The training step with context parallel: each micro batch's forward and backward run under torch's
     ``context_parallel`` over the "cp" mesh, as torchtitan's llama3 ``train_context`` does.
