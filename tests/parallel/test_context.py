@@ -174,6 +174,16 @@ def test_alltoall_ring_passes_kv_to_the_next_rank_each_step():
     assert backward == sorted([local_kv * BF16] * ((cp - 1) * LAYERS) + [local_kv * FP32] * (cp * LAYERS))
 
 
+def test_each_micro_batch_runs_its_own_ring():
+    trace = _run(2, training__num_micro_batches=2)
+    gathers = [b for b in trace.blocks if b.op == "all_gather_into_tensor" and b.phase == Phase.FORWARD]
+    gathers = [b for b in gathers if _ATTENTION.match(b.module)]
+    assert sorted(b.micro_batch for b in gathers) == [0] * LAYERS + [1] * LAYERS
+    # the RoPE buffer is restored between micro batches: the second one shards the whole buffer again
+    rope = [b for b in trace.blocks if b.op == "index_select" and b.phase == Phase.FORWARD]
+    assert [b.requested for b in rope] == [S * HD // 2 * 8] * 2
+
+
 def test_ring_buffers_are_collective_outputs_freed_within_the_layer():
     trace = _run(2)
     gathers = [b for b in trace.blocks if b.op == "all_gather_into_tensor" and _ATTENTION.match(b.module)]
