@@ -83,14 +83,6 @@ def test_cp2_halves_the_saved_q_k_v_and_logsumexp(traces, rank):
     assert cp2 == LAYERS * (S // 2) * per_token == cp1 // 2
 
 
-_TRACKER_GAP = (
-    "trace/tracker.py skips ops whose schema may alias (aten.to.dtype, contiguous) and their nested kernels; torch's "
-    "ring attention runs below autograd, where such composite ops reach the fake mode undecomposed, so the ring's "
-    "out.to(bf16) and key.contiguous() copies are not recorded (reported to the lead with the fix)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_TRACKER_GAP)
 def test_cp2_last_rank_halves_the_attention_activations(traces):
     cp1 = sum(b.requested for b in _saved_by_attention(traces["cp1"]))
     last = sum(b.requested for b in _saved_by_attention(traces["cp2_rank1"]))
@@ -98,7 +90,6 @@ def test_cp2_last_rank_halves_the_attention_activations(traces):
     assert abs(last / cp1 - 0.5) <= 0.05 * 0.5
 
 
-@pytest.mark.xfail(strict=True, reason=_TRACKER_GAP)
 def test_cp2_first_rank_also_keeps_a_transposed_copy_of_the_ring_output(traces):
     # On every CP rank but the last, torch's ring merges a partial step with torch.cat, so the output is contiguous
     # in (b, h, s, d); the model's out.transpose(1, 2).contiguous() then copies it (cuDNN's own output is laid out

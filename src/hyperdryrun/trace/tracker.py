@@ -260,7 +260,16 @@ class MemoryTracker:
     def _skip(self, func: Any) -> bool:
         skip = self._view_or_meta.get(func)
         if skip is None:
-            skip = func in _METADATA_OPS or bool(getattr(func, "is_view", False))
+            # A view op never allocates, so it is skipped; but a composite op whose schema *may* alias (``to``,
+            # ``contiguous``, ``reshape``) reaches the mode undecomposed below autograd (e.g. torch 2.13's context
+            # parallel ring) and then copies: it is tracked, and the input-storage check keeps its aliasing
+            # outputs from counting.
+            skip = func in _METADATA_OPS or (
+                bool(getattr(func, "is_view", False))
+                and not torch._C._dispatch_has_kernel_for_dispatch_key(
+                    func.name(), "CompositeImplicitAutograd"
+                )
+            )
             self._view_or_meta[func] = skip
         return skip
 
