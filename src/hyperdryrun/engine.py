@@ -132,84 +132,121 @@ def simulate(
     step_fn = step_fn or micro_batch_step(loss_fn, num_micro_batches)
     optimizer_fn = optimizer_fn or default_optimizer
     timings: dict[str, float] = {}
-    stage = "world"
     t0 = time.perf_counter()
     world = SimulatedWorld(world_size, rank, local_rank, mesh_shape, mesh_dim_names, target_device)
+    stages = ["world"]
     try:
         with world:
-            stage = "model"
-            with torch.device("meta"):
-                model = model_fn()
-            stage = "parallelize"
-            if parallelize_fn is not None:
-                model = parallelize_fn(model, world.mesh) or model
+            model, optimizer = prepare(world, model_fn, parallelize_fn, optimizer_fn, stages)
             with world.fake():
-                stage = "materialize"
-                model.to_empty(device=world.device)
-                _finish_fsdp_lazy_init(model)
-                stage = "optimizer"
-                optimizer = optimizer_fn([p for p in model.parameters() if p.requires_grad])
-                _materialize_optimizer_state(model, optimizer)
                 timings["setup"] = time.perf_counter() - t0
-                stage = "step"
-                tracker = world.track(capture_stacks=capture_stacks)
-                _seed(tracker, model, optimizer)
-                initial = tracker.current
-                device = torch.device(world.device)
-
-                def batches() -> Iterator[Any]:
-                    for i in range(num_micro_batches):
-                        tracker.micro_batch = i
-                        with tracker.labelled(Category.OTHER):
-                            batch = batch_fn(i, device)
-                        yield batch
-                        del batch
-
+                stages.append("step")
                 t1 = time.perf_counter()
-                tracker.start(root=model)
-                try:
-                    step_fn(model, optimizer, batches())
-                finally:
-                    tracker.stop()
-                timings["step"] = time.perf_counter() - t1
-                for p in model.parameters():
-                    if p.grad is not None:
-                        tracker.mark(p.grad, Category.GRADIENT)
-                stage = "trace"
-                blocks = tracker.finalize()
-                trace = StepTrace(
-                    blocks=blocks,
-                    num_tasks=tracker.num_tasks,
-                    task_phase=tracker.task_phase,
-                    task_op=tracker.task_op,
-                    peak=tracker.peak,
-                    peak_task=tracker.peak_task,
-                    current=tracker.current,
-                    phase_peak=dict(tracker.phase_peak),
-                    modules=tracker.modules,
-                    stacks=tracker.stacks,
-                    initial=initial,
-                    metadata={
-                        "world_size": world_size,
-                        "rank": rank,
-                        "local_rank": world.local_rank,
-                        "target_device": target_device,
-                        "simulation_device": world.device,
-                        "mesh_shape": list(world.mesh_shape),
-                        "mesh_dim_names": list(world.mesh_dim_names),
-                        "num_micro_batches": num_micro_batches,
-                        "optimizer": type(optimizer).__name__,
-                        **(metadata or {}),
-                    },
-                    limitations=world.limitations,
-                    timings=timings,
+                tracker, initial = traced_step(
+                    world, model, optimizer, step_fn, batch_fn, num_micro_batches, capture_stacks
                 )
+                timings["step"] = time.perf_counter() - t1
+                stages.append("trace")
+                trace = step_trace(tracker, initial)
+                trace.metadata = {
+                    "world_size": world_size,
+                    "rank": rank,
+                    "local_rank": world.local_rank,
+                    "target_device": target_device,
+                    "simulation_device": world.device,
+                    "mesh_shape": list(world.mesh_shape),
+                    "mesh_dim_names": list(world.mesh_dim_names),
+                    "num_micro_batches": num_micro_batches,
+                    "optimizer": type(optimizer).__name__,
+                    **(metadata or {}),
+                }
+                trace.limitations = world.limitations
+                trace.timings = timings
                 del model, optimizer
     except SimulationError:
         raise
     except Exception as err:
-        raise SimulationError(stage, err) from err
+        raise SimulationError(stages[-1], err) from err
     return trace
+
+
+def prepare(
+    world: SimulatedWorld,
+    model_fn: ModelFn,
+    parallelize_fn: ParallelizeFn | None,
+    optimizer_fn: OptimizerFn,
+    stages: list[str] | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Setup in an entered world: the model on meta, parallelised, materialised as fake tensors in the steady state
+    of step 2 (FSDP lazy init done, optimizer states allocated). ``stages`` gets the name of each stage as it starts,
+    so a failure can say where it happened."""
+    stages = stages if stages is not None else []
+    stages.append("model")
+    with torch.device("meta"):
+        model = model_fn()
+    stages.append("parallelize")
+    if parallelize_fn is not None:
+        model = parallelize_fn(model, world.mesh) or model
+    with world.fake():
+        stages.append("materialize")
+        model.to_empty(device=world.device)
+        _finish_fsdp_lazy_init(model)
+        stages.append("optimizer")
+        optimizer = optimizer_fn([p for p in model.parameters() if p.requires_grad])
+        _materialize_optimizer_state(model, optimizer)
+    return model, optimizer
+
+
+def traced_step(
+    world: SimulatedWorld,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step_fn: StepFn,
+    batch_fn: BatchFn,
+    num_micro_batches: int,
+    capture_stacks: bool = True,
+) -> tuple[MemoryTracker, int]:
+    """Run one step under the world's fake mode with a fresh tracker; returns it and the bytes live before the step."""
+    tracker = world.track(capture_stacks=capture_stacks)
+    _seed(tracker, model, optimizer)
+    initial = tracker.current
+    device = torch.device(world.device)
+
+    def batches() -> Iterator[Any]:
+        for i in range(num_micro_batches):
+            tracker.micro_batch = i
+            with tracker.labelled(Category.OTHER):
+                batch = batch_fn(i, device)
+            yield batch
+            del batch
+
+    tracker.start(root=model)
+    try:
+        step_fn(model, optimizer, batches())
+    finally:
+        tracker.stop()
+    for p in model.parameters():
+        if p.grad is not None:
+            tracker.mark(p.grad, Category.GRADIENT)
+    return tracker, initial
+
+
+def step_trace(tracker: MemoryTracker, initial: int) -> StepTrace:
+    """The finished tracker as plain data: blocks finalised (categories, plot coordinates), no metadata yet."""
+    blocks = tracker.finalize()
+    return StepTrace(
+        blocks=blocks,
+        num_tasks=tracker.num_tasks,
+        task_phase=tracker.task_phase,
+        task_op=tracker.task_op,
+        peak=tracker.peak,
+        peak_task=tracker.peak_task,
+        current=tracker.current,
+        phase_peak=dict(tracker.phase_peak),
+        modules=tracker.modules,
+        stacks=tracker.stacks,
+        initial=initial,
+    )
 
 
 def _seed(tracker: MemoryTracker, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

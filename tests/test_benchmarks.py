@@ -1,0 +1,38 @@
+"""The benchmark script runs end to end at its smallest size and prints its table (no timing is asserted)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hyperdryrun
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+
+
+def test_bench_smoke_prints_table_and_target_lines(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(hyperdryrun.__file__).resolve().parent.parent)
+    out = tmp_path / "PERFORMANCE.md"
+    out.write_text("# Performance\n\nhand-written text stays\n")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = proc.stdout
+    assert "| layers | variant | time s | × floor |" in text
+    for variant in ("floor", "track", "full", "memtracker", "fsdpmemtracker"):
+        assert f"| 1 | {variant} |" in text
+    verdicts = [
+        line.split()[0] for line in text.splitlines() if line.split()[:1] in (["PASS"], ["FAIL"], ["SKIP"])
+    ]
+    assert len(verdicts) == 7
+    written = out.read_text()
+    assert written.startswith("# Performance\n\nhand-written text stays\n")
+    assert "<!-- bench:begin -->" in written and "| 1 | full |" in written
