@@ -29,13 +29,13 @@ def test_bench_smoke_prints_table_and_target_lines(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stdout
-    assert "| layers | variant | time s | × floor |" in text
+    assert "| layers | variant | wall s | × floor (wall) | CPU s | × floor (CPU) |" in text
     for variant in ("floor", "track", "full", "memtracker", "fsdpmemtracker"):
         assert f"| 1 | {variant} |" in text
     verdicts = [
         line.split()[0] for line in text.splitlines() if line.split()[:1] in (["PASS"], ["FAIL"], ["SKIP"])
     ]
-    assert len(verdicts) == 7
+    assert len(verdicts) == 8
     written = out.read_text()
     assert written.startswith("# Performance\n\nhand-written text stays\n")
     assert "<!-- bench:begin -->" in written and "| 1 | full |" in written
