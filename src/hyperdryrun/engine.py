@@ -62,10 +62,8 @@ def dtensor_speedups() -> list[Patch]:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     original = sharding_prop._propagate_use_strided_shard_flag
-    last: list[Any] = [
-        None,
-        False,
-    ]  # the OpSchema last seen (kept alive, so `is` cannot hit a reused id), strided?
+    # The OpSchema seen last (held, so `is` cannot match a recycled id) and whether any input is _StridedShard.
+    last: list[Any] = [None, False]
 
     def propagate_use_strided_shard_flag(op_strategy: Any, op_schema: Any) -> None:
         if last[0] is not op_schema:
