@@ -107,7 +107,8 @@ def worker(variants: list[str], model: str, layers: int, seq: int, reps: int) ->
     from hyperdryrun.world import SimulatedWorld
     from hyperdryrun.world.patches import PatchSet
 
-    cfg = _job(model, layers, seq, tempfile.mkdtemp(prefix="hdr_bench_"))
+    out_dir = tempfile.TemporaryDirectory(prefix="hdr_bench_")  # removed when this process exits
+    cfg = _job(model, layers, seq, out_dir.name)
     n_mb = cfg.training.num_micro_batches
     step_fn = micro_batch_step(llama_loss, n_mb, loss_context(cfg))
     make_batch = batch_fn(cfg)
