@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._tools.mod_tracker import ModTracker
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hyperdryrun.trace.blocks import (
@@ -81,7 +83,6 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 def unique_storage_bytes(obj: Any, alignment: int) -> int:
     """Bytes of the distinct storages behind the tensors in ``obj`` (DTensors counted by their local shard)."""
-    from torch.utils._pytree import tree_leaves
 
     seen, total = set(), 0
     for leaf in tree_leaves(obj):
@@ -144,7 +145,7 @@ class MemoryTracker:
         self._fqn: dict[int, str] = {}
         self._hooked_params: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._handles: list[Any] = []
-        self._modtracker: ModTracker | None = None
+        self._modtracker: _ModuleHooks | None = None
         self._orig_resize = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -156,8 +157,7 @@ class MemoryTracker:
                 stats = self.modules.setdefault(self._fqn[id(mod)], ModuleStats(self._fqn[id(mod)]))
                 stats.param_bytes = unique_storage_bytes(list(mod.parameters()), self.alignment)
                 stats.buffer_bytes = unique_storage_bytes(list(mod.buffers()), self.alignment)
-        self._modtracker = ModTracker()
-        self._modtracker.register_user_hooks(self._pre_fw, self._post_fw, self._pre_bw, self._post_bw)
+        self._modtracker = _ModuleHooks(self._pre_fw, self._post_fw, self._pre_bw, self._post_bw)
         self._modtracker.__enter__()
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -174,7 +174,6 @@ class MemoryTracker:
             self._orig_resize = None
         if self._modtracker is not None:
             self._modtracker.__exit__(None, None, None)
-            self._modtracker.clear_user_hooks()
             self._modtracker = None
         for h in self._handles:
             h.remove()
@@ -573,6 +572,92 @@ class MemoryTracker:
                 else:
                     blk.end_plot = coord
         return self.blocks
+
+
+class _ModuleHooks:
+    """Forward and backward entry/exit of every module: the hook protocol of torch 2.13's
+    ``torch.distributed._tools.mod_tracker.ModTracker``, without importing ``torch.distributed._tools`` (whose package
+    import pulls in the runtime estimator and inductor, about a second of every run's start-up) and without the FQN
+    and parent bookkeeping the tracker does not use.
+
+    ``pre_fw(mod, inputs)`` / ``post_fw(mod, inputs, outputs)`` run as global module forward hooks;
+    ``pre_bw(mod, grad_outputs)`` runs when the first gradient of the module's outputs arrives (a multi-grad hook in
+    ``any`` mode), ``post_bw(mod, grad_inputs)`` when all gradients of its inputs are computed, or at the end of the
+    backward pass for a module with no input requiring grad. ``mod`` is ``None`` if the module died meanwhile.
+    """
+
+    def __init__(self, pre_fw: Any, post_fw: Any, pre_bw: Any, post_bw: Any) -> None:
+        self._pre_fw, self._post_fw, self._pre_bw, self._post_bw = pre_fw, post_fw, pre_bw, post_bw
+        self._post_bw_at_end: list[Any] = []
+        self._has_callback = False
+        self._handles: list[Any] = []
+
+    @staticmethod
+    def _compiling() -> bool:
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        return eval_frame is not None and eval_frame._is_in_optimized_module()
+
+    def _engine_callback(self) -> None:
+        # As ModTracker: queue the deferred post-backward hooks once per backward pass (no concurrent backwards).
+        if self._has_callback:
+            return
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+        for fn in reversed(self._post_bw_at_end):
+            queue(fn)
+        self._post_bw_at_end.clear()
+
+        def done() -> None:
+            self._has_callback = False
+
+        queue(done)
+        self._has_callback = True
+
+    def _enter_bw(self, w_mod: weakref.ref) -> Any:
+        def fn(*grads: Any) -> None:
+            self._engine_callback()
+            self._pre_bw(w_mod(), grads)
+
+        return fn
+
+    def _exit_bw(self, w_mod: weakref.ref) -> Any:
+        def fn(*grads: Any) -> None:
+            self._post_bw(w_mod(), grads)
+
+        return fn
+
+    def _fw_pre_hook(self, mod: torch.nn.Module, inputs: Any) -> None:
+        if self._compiling():
+            return
+        self._pre_fw(mod, inputs)
+        if torch._C._current_graph_task_id() != -1:
+            return
+        tensors = [a for a in tree_leaves(inputs) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, self._exit_bw(weakref.ref(mod)))
+        else:
+            self._post_bw_at_end.append(self._exit_bw(weakref.ref(mod)))
+
+    def _fw_post_hook(self, mod: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+        if self._compiling():
+            return
+        self._post_fw(mod, inputs, outputs)
+        if torch._C._current_graph_task_id() != -1:
+            return
+        tensors = [a for a in tree_leaves(outputs) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, self._enter_bw(weakref.ref(mod)), mode="any")
+
+    def __enter__(self) -> _ModuleHooks:
+        self._handles = [
+            register_module_forward_pre_hook(self._fw_pre_hook),
+            register_module_forward_hook(self._fw_post_hook, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 class _Label:
