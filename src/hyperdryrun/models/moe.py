@@ -192,8 +192,11 @@ class TokenChoiceRouter(nn.Module):
         top_scores, selected = torch.topk(scores, k=self.top_k, dim=-1)
         if self.route_norm:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
-        # histc as torchtitan: a fixed-size count per expert (values are data; the shape is not).
-        counts = torch.histc(selected.view(-1).float(), bins=self.num_experts, min=0, max=self.num_experts)
+        # An int64 count per expert: a fixed shape (bincount's would depend on the values), exact at any token count,
+        # and not cast to bf16 by FSDP2's mixed precision as torchtitan's float histc is.
+        flat = selected.view(-1)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        counts = counts.scatter_add(0, flat, torch.ones_like(flat))
         return top_scores, selected, counts
 
 
