@@ -155,11 +155,12 @@ def active_rules() -> ValueRules | None:
     return _active
 
 
-def _missing(op: str, module: str, example: str, what: str) -> str:
+def _missing(op: str, module: str, example: str, what: str, raised: str = "") -> str:
     where = module or "<top level>"
     pattern = module or "*"
+    by = f" (fake mode raised {raised})" if raised else ""
     return (
-        f"data-dependent op {op} in module {where!r}: fake tensors have no values, so {what} cannot be computed; "
+        f"data-dependent op {op}{by} in module {where!r}: fake tensors have no values, so {what} cannot be computed; "
         f"add a value rule, e.g. values.rules: [{{module: '{pattern}', op: '{op}', {example}}}]"
     )
 
@@ -199,7 +200,7 @@ class ValueRuleMode(TorchDispatchMode):
                 example, what = "handler: size, value: <output length>", "its output shape"
             else:
                 example, what = "handler: value, value: <number>", "its result"
-            raise ValueRuleError(_missing(op, module, example, what)) from None
+            raise ValueRuleError(_missing(op, module, example, what, type(err).__name__)) from None
 
 
 @contextlib.contextmanager
