@@ -114,7 +114,7 @@ def with_value_rules(cfg: JobConfig, step_fn):
     rules = cfg.values.value_rules()
 
     def step(model, optimizer, batches) -> None:
-        with use_rules(rules):
+        with use_rules(rules, root=model):
             step_fn(model, optimizer, batches)
 
     return step

@@ -97,7 +97,7 @@ def run(model_cls, rules: ValueRules | None):
             if rules is None:
                 model(x).pow(2).sum().backward()
             else:
-                with use_rules(rules):
+                with use_rules(rules, root=model):
                     model(x).pow(2).sum().backward()
         optimizer.step()
 
@@ -163,6 +163,13 @@ def test_an_uncovered_dynamic_shape_op_asks_for_a_size_rule_and_a_size_rule_sets
     assert picked == [40 * 16 * 4]
 
 
+def test_the_answering_mode_is_pushed_only_when_a_rule_answers_ops():
+    with use_rules(ValueRules([ValueRule(op="moe.token_counts", handler="balanced")])):
+        assert _get_current_dispatch_mode_stack() == []
+    with use_rules(ValueRules([ValueRule(op="aten.nonzero*", handler="size", value=3)])):
+        assert len(_get_current_dispatch_mode_stack()) == 1
+
+
 def test_without_value_rules_the_fake_mode_error_is_left_as_torch_raises_it():
     with pytest.raises(SimulationError, match="DataDependentOutputException"):
         run(Model, None)
@@ -170,7 +177,8 @@ def test_without_value_rules_the_fake_mode_error_is_left_as_torch_raises_it():
 
 def test_rules_and_the_mode_are_undone_after_an_exception_in_the_body():
     env = dict(os.environ)
-    with pytest.raises(RuntimeError, match="boom"), use_rules(ValueRules([])):
+    branch = ValueRules([ValueRule(handler="branch", value=True)])
+    with pytest.raises(RuntimeError, match="boom"), use_rules(branch):
         assert active_rules() is not None
         assert len(_get_current_dispatch_mode_stack()) == 1
         raise RuntimeError("boom")

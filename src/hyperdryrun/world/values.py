@@ -171,6 +171,23 @@ def _current_module() -> str:
     return tracker.module() if tracker is not None and getattr(tracker, "active", False) else ""
 
 
+def _raising_module(err: BaseException, root: torch.nn.Module | None) -> str:
+    """FQN under ``root`` of the innermost module whose ``forward`` is on the traceback of ``err``."""
+    if root is None:
+        return ""
+    from hyperdryrun.trace.tracker import clean_fqn
+
+    names = {id(m): name for name, m in root.named_modules()}
+    found = ""
+    tb = err.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if tb.tb_frame.f_code.co_name == "forward" and id(owner) in names:
+            found = clean_fqn(names[id(owner)])
+        tb = tb.tb_next
+    return found
+
+
 class ValueRuleMode(TorchDispatchMode):
     """Answers data-dependent ops on fake tensors from the rules; any other data-dependent failure of the fake
     mode below becomes a :class:`ValueRuleError` naming the op, the module and the rule to add."""
@@ -194,24 +211,37 @@ class ValueRuleMode(TorchDispatchMode):
                 shape = (rule.value, x.dim()) if _SIZED[func] == "nonzero" else (rule.value,)
                 dtype = torch.long if _SIZED[func] == "nonzero" else x.dtype
                 return torch.empty(shape, dtype=dtype, device=x.device)
-            if func is _SCALAR:
-                example, what = "handler: branch, value: true", "the value of .item(), .tolist() or bool()"
-            elif isinstance(err, DynamicOutputShapeException):
-                example, what = "handler: size, value: <output length>", "its output shape"
-            else:
-                example, what = "handler: value, value: <number>", "its result"
-            raise ValueRuleError(_missing(op, module, example, what, type(err).__name__)) from None
+            raise ValueRuleError(_uncovered(err, module)) from None
+
+
+def _uncovered(err: DataDependentOutputException | DynamicOutputShapeException, module: str) -> str:
+    """The one-line error for a data-dependent op that no rule answers."""
+    func = err.func
+    if func is _SCALAR:
+        example, what = "handler: branch, value: true", "the value of .item(), .tolist() or bool()"
+    elif isinstance(err, DynamicOutputShapeException):
+        example, what = "handler: size, value: <output length>", "its output shape"
+    else:
+        example, what = "handler: value, value: <number>", "its result"
+    return _missing(str(func), module, example, what, type(err).__name__)
 
 
 @contextlib.contextmanager
-def use_rules(rules: ValueRules) -> Iterator[ValueRules]:
-    """Make ``rules`` the active rules and answer data-dependent ops from them, for the body only (restored on
-    exit, also after an exception). Enter it inside the fake mode so that it sits above it on the mode stack."""
+def use_rules(rules: ValueRules, root: torch.nn.Module | None = None) -> Iterator[ValueRules]:
+    """Make ``rules`` the active rules for the body and turn the fake mode's data-dependent failures into
+    :class:`ValueRuleError` (restored on exit, also after an exception). Enter it inside the fake mode.
+
+    The dispatch mode that answers ``.item()`` and ``nonzero`` is pushed only when a rule needs it: any Python
+    dispatch mode turns off DTensor's C++ fast path, which triples the time of a step. ``root``: the model whose
+    module names the error gives (found in the traceback, since module hooks have run by the time it is caught)."""
     global _active
     saved = _active
     _active = rules
+    answers = any(r.handler in ("branch", "value", "size") for r in rules.rules)
     try:
-        with ValueRuleMode(rules):
+        with ValueRuleMode(rules) if answers else contextlib.nullcontext():
             yield rules
+    except (DataDependentOutputException, DynamicOutputShapeException) as err:
+        raise ValueRuleError(_uncovered(err, _raising_module(err, root))) from None
     finally:
         _active = saved
