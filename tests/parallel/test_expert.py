@@ -192,3 +192,78 @@ def test_bad_moe_layouts_are_one_line_errors_naming_the_field(over, message):
         job(**over)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_the_cli_runs_a_hot_expert_job_and_the_report_states_the_scenario(tmp_path, capsys):
+    import json
+
+    from hyperdryrun.cli import main
+
+    argv = ["run", "--model", "moe-tiny", "--world-size", "2", "--ep", "2", "--seq-len", "16", "--routing",
+            "hotspot", "--hot-expert", "3", "--skew", "2", "--output-dir", str(tmp_path), "--no-stacks", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "rank_0" / "rank_0_memory.json").read_text())
+    moe = report["metadata"]["moe"]
+    assert moe["routing"] == {
+        "module": "*",
+        "op": "moe.token_counts",
+        "handler": "hotspot",
+        "hot_expert": 3,
+        "skew": 2.0,
+    }
+    # 16 tokens x top-2 = 32 over 4 experts: balanced 8, hot 16 on expert 3, 16 left over experts 0-2.
+    assert moe["tokens_per_expert"] == [6, 5, 5, 16]
+    assert any("MoE routing is a scenario" in line for line in report["limitations"])
+
+
+def test_a_runtime_rule_mismatch_is_one_line_on_the_cli_and_restores_globals(tmp_path, capsys):
+    import torch.distributed as dist
+    import yaml
+
+    from hyperdryrun.cli import main
+
+    bad = {
+        "values": {
+            "rules": [
+                {"module": "layers.1.*", "op": "moe.token_counts", "handler": "explicit", "counts": [1, 2, 3]}
+            ]
+        }
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    dtype = torch.get_default_dtype()
+    out = tmp_path / "out"
+    rc = main(["run", "--config", str(path), "--model", "moe-tiny", "--world-size", "2", "--ep", "2", "--seq-len", "8",
+               "--output-dir", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("hyperdryrun: error: ") and err.count("\n") == 1
+    assert "routing rule counts=[1, 2, 3] must have 4 entries" in err
+    import json
+
+    failed = json.loads((out / "rank_0" / "rank_0_memory.json").read_text())  # a failed run reports its error
+    assert failed["status"] == "error" and "routing rule counts=[1, 2, 3]" in json.dumps(failed["error"])
+    assert active_rules() is None and not dist.is_initialized()
+    assert torch.utils._python_dispatch._get_current_dispatch_mode_stack() == []
+    assert torch.get_default_dtype() == dtype
+
+
+def test_interleaved_pipeline_stages_each_get_expert_parallel():
+    """Two stages on one rank: each is parallelized with EP (the world mesh is unflattened once per stage)."""
+    trace = moe_run(
+        model="moe-debug",
+        model__n_layers=4,
+        world__world_size=4,
+        parallel__pp=2,
+        parallel__ep=2,
+        parallel__pp_schedule="Interleaved1F1B",
+        training__seq_len=32,
+        training__num_micro_batches=2,
+    )
+    experts = {
+        b.module for b in trace.blocks if b.op == "all_to_all_single" and b.module.endswith("moe.experts")
+    }
+    # 4 stages over 4 layers (even split, embedding and head weighted as a layer): layers [0], [1, 2], [3], [];
+    # pipeline rank 0 holds stages 0 and 2, i.e. layer 0 (dense in moe-debug) and layer 3 (MoE).
+    assert trace.metadata["pipeline"]["stage_indices"] == [0, 2]
+    assert experts == {"stage2.layers.3.moe.experts"}
