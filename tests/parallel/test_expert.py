@@ -267,3 +267,15 @@ def test_interleaved_pipeline_stages_each_get_expert_parallel():
     # pipeline rank 0 holds stages 0 and 2, i.e. layer 0 (dense in moe-debug) and layer 3 (MoE).
     assert trace.metadata["pipeline"]["stage_indices"] == [0, 2]
     assert experts == {"stage2.layers.3.moe.experts"}
+
+
+def test_fewer_local_experts_than_fsdp_ranks_shard_the_hidden_dim_without_padding():
+    """moe-tiny, world 8, ep 2: 2 local experts over dp_shard_mod_ep = 4 ranks. Sharding the expert dim would pad
+    2 experts to 4; sharding dim 1 (hidden 32 or dim 64, both divisible by 4) stores exactly 1/8 of each weight."""
+    trace = moe_run(world__world_size=8, parallel__ep=2, training__seq_len=16)
+    stored = [
+        b.requested
+        for b in trace.blocks
+        if b.category is Category.PARAMETER and b.end == PERSISTENT_END and b.module == "layers.0.moe.experts"
+    ]
+    assert stored == [TINY.num_experts * TINY.dim * TINY.moe_ffn_dim * 4 // 8] * 3

@@ -130,6 +130,7 @@ def apply_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg:
     """FSDP2 as :func:`hyperdryrun.parallel.apply_fsdp`, with the routed experts wrapped first over
     ``expert_mesh`` when EP is on (torchtitan: experts over ``dp_shard_mod_ep``, the rest over ``dp_shard``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
 
     t = cfg.training
     mp = MixedPrecisionPolicy(
@@ -142,7 +143,18 @@ def apply_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg:
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         keep = reshard and i < n - 1
         if expert_mesh is not None and getattr(inner, "moe", None) is not None:
-            fully_shard(inner.moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=keep)
+            experts = inner.moe.experts
+            placement = None
+            if expert_mesh.size() * cfg.parallel.ep > experts.num_experts:
+                # torchtitan: fewer local experts than FSDP ranks, so shard the hidden dim rather than pad experts.
+                placement = lambda _param: Shard(1)  # noqa: E731
+            fully_shard(
+                experts,
+                mesh=expert_mesh,
+                mp_policy=mp,
+                reshard_after_forward=keep,
+                shard_placement_fn=placement,
+            )
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=keep)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
