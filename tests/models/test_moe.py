@@ -101,3 +101,28 @@ def test_dense_layers_come_first_and_moe_layers_after():
         model = MoETransformer(args, max_seq_len=16)
     kinds = [("dense" if b.moe is None else "moe") for b in model.layers.values()]
     assert kinds == ["dense"] * args.n_dense_layers + ["moe"] * (args.n_layers - args.n_dense_layers)
+
+
+def test_dry_run_peak_equals_real_cpu_execution_of_the_same_moe_step():
+    """moe-debug (a dense layer, then router + grouped experts + a shared expert), batch 2 x 128, AdamW, no
+    parallelism: the fake step on a CPU target and the real step recorded by torch.profiler allocate the same."""
+    from hyperdryrun.engine import simulate
+    from hyperdryrun.measure.step import measure
+    from hyperdryrun.models.llama import cross_entropy_loss, rope_cache
+
+    args = PRESETS["moe-debug"]
+
+    def init(model):
+        torch.manual_seed(0)
+        for name, p in model.named_parameters():
+            p.data.fill_(1.0) if "norm" in name else p.data.normal_(std=args.dim**-0.5)
+        model.rope_cache.copy_(rope_cache(args.head_dim, model.rope_cache.shape[0], args.rope_theta))
+
+    def batch(i, device):
+        return (torch.randint(0, args.vocab_size, (2, 128), device=device),) * 2
+
+    common = dict(loss_fn=lambda m, b: cross_entropy_loss(m(b[0]), b[1]), capture_stacks=False)
+    fake = simulate(lambda: MoETransformer(args, 128), batch, target_device="cpu", **common)
+    real = measure(lambda: MoETransformer(args, 128), batch, init_fn=init, **common)
+    assert fake.peak == real.peak
+    assert fake.current == real.current
