@@ -132,7 +132,12 @@ BAD_INPUTS = {
         ["world.world_size=4", "1*3*1*1*1 = 3"],
     ),
     "world-size-zero": (["--world-size", "0"], {}, None, ["world.world_size (--world-size)", "(got 0)"]),
-    "cp-unsupported": (["--world-size", "2", "--cp", "2"], {}, None, ["parallel.cp=2", "not supported yet"]),
+    "cp-seq-not-load-balanced": (
+        ["--world-size", "2", "--cp", "2", "--seq-len", "66"],
+        {},
+        None,
+        ["training.seq_len=66", "2*parallel.cp=4"],
+    ),
     "pp-unknown-schedule": (
         ["--world-size", "2", "--pp", "2", "--pp-schedule", "2F2B"],
         {},

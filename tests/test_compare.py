@@ -33,6 +33,8 @@ KEYS = {
     "a",
     "b",
     "peak",
+    "peak_without_kernel_scratch",
+    "judged_on",
     "tolerance",
     "within_tolerance",
     "categories_at_peak",
@@ -295,3 +297,21 @@ def test_a_report_without_its_csv_compares_with_a_partial_live_set(report_dir, t
     assert res["blocks"]["live_sets_complete"] is (shown["shown"] == shown["num_blocks"])
     assert res["blocks"]["only_in_a"]["count"] == 0
     assert res["blocks"]["only_in_b"]["bytes"] == shown["rest_bytes"]
+
+
+def test_a_measured_side_is_judged_without_its_kernel_scratch_unless_asked(report_dir):
+    # A copy of the dry-run report posing as a measured one whose full peak holds 5% of kernel workspace: the
+    # scratch-free peak equals the dry run's, so the verdict passes; judged on the full peak it fails.
+    rep = as_report(load_any(report_dir / "rank_0_memory.json"))
+    peak = rep["summary"]["peak_bytes"]
+    measured = json.loads(json.dumps(rep))
+    measured["summary"]["peak_bytes"] = peak + peak // 20
+    measured["metadata"]["kernel_scratch"] = {"peak_bytes_excluding": peak}
+    res = compare(Side("m", "report", measured), Side("d", "report", rep))
+    assert res["judged_on"] == "peak_without_kernel_scratch"
+    assert res["peak_without_kernel_scratch"] == {"a": peak, "b": peak, "diff": 0, "rel_error": 0.0}
+    assert res["peak"]["diff"] == -(peak // 20) and res["within_tolerance"] is True
+    full = compare(Side("m", "report", measured), Side("d", "report", rep), with_kernel_scratch=True)
+    assert full["judged_on"] == "peak" and full["within_tolerance"] is False
+    plain = compare(Side("d", "report", rep), Side("d", "report", rep))
+    assert plain["peak_without_kernel_scratch"] is None and plain["judged_on"] == "peak"

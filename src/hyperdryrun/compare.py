@@ -123,18 +123,30 @@ def unmatched_blocks(
     return order(left_a), order(left_b)
 
 
-def compare(a: Side, b: Side, tolerance: float = DEFAULT_TOLERANCE, top: int = TOP_BLOCKS) -> dict[str, Any]:
+def compare(
+    a: Side,
+    b: Side,
+    tolerance: float = DEFAULT_TOLERANCE,
+    top: int = TOP_BLOCKS,
+    with_kernel_scratch: bool = False,
+) -> dict[str, Any]:
     """The comparison as plain data (the ``--json`` output); ``within_tolerance`` decides the exit code.
 
     Keys: ``a``/``b`` (source, kind, peak phase and op), ``peak`` and every figure as ``{a, b, diff, rel_error}``,
-    ``tolerance``, ``within_tolerance``, ``categories_at_peak``, ``phases``, ``modules`` (names both sides know),
+    ``peak_without_kernel_scratch`` (a measured side's peak without the workspaces its kernels freed before
+    returning, which a dry run never counts; ``None`` when no side has any), ``judged_on`` (which of the two the
+    verdict uses: without scratch unless ``with_kernel_scratch``), ``tolerance``, ``within_tolerance``,
+    ``categories_at_peak``, ``phases``, ``modules`` (names both sides know),
     ``blocks`` (``matching`` rule, ``live_sets_complete``, ``only_in_a``/``only_in_b``: count, bytes, ``top``
     largest).
     """
     ra, rb = a.report, b.report
     sa, sb = ra["summary"], rb["summary"]
     peak = _pair(sa["peak_bytes"], sb["peak_bytes"])
-    rel = peak["rel_error"]
+    no_scratch = [_peak_without_scratch(r) for r in (ra, rb)]
+    scratch_pair = _pair(*no_scratch) if no_scratch != [sa["peak_bytes"], sb["peak_bytes"]] else None
+    judged = "peak" if with_kernel_scratch or scratch_pair is None else "peak_without_kernel_scratch"
+    rel = (peak if judged == "peak" else scratch_pair)["rel_error"]
     cats_a, cats_b = sa["breakdown_at_peak"], sb["breakdown_at_peak"]
     categories = {
         str(c): _pair(int(cats_a.get(str(c), 0)), int(cats_b.get(str(c), 0))) for c in CATEGORY_ORDER
@@ -147,6 +159,7 @@ def compare(a: Side, b: Side, tolerance: float = DEFAULT_TOLERANCE, top: int = T
     }
     la, lb = ra["peak_live_set"], rb["peak_live_set"]
     only_a, only_b = unmatched_blocks(la["blocks"], lb["blocks"])
+
     complete = la["shown"] == la["num_blocks"] and lb["shown"] == lb["num_blocks"]
     return {
         "a": {
@@ -162,6 +175,8 @@ def compare(a: Side, b: Side, tolerance: float = DEFAULT_TOLERANCE, top: int = T
             "peak_op": sb.get("peak_op"),
         },
         "peak": peak,
+        "peak_without_kernel_scratch": scratch_pair,
+        "judged_on": judged,
         "tolerance": tolerance,
         "within_tolerance": rel is not None and abs(rel) <= tolerance,
         "categories_at_peak": categories,
@@ -182,6 +197,11 @@ def compare(a: Side, b: Side, tolerance: float = DEFAULT_TOLERANCE, top: int = T
             },
         },
     }
+
+
+def _peak_without_scratch(report: dict[str, Any]) -> int:
+    scratch = (report.get("metadata") or {}).get("kernel_scratch") or {}
+    return int(scratch.get("peak_bytes_excluding", report["summary"]["peak_bytes"]))
 
 
 def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP_BLOCKS) -> None:
@@ -206,8 +226,18 @@ def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP
     console.print(f"B: {result['b']['source']} ({result['b']['kind']})")
     console.print(
         f"peak A {fmt(p['a'])} ({p['a']:,} B), B {fmt(p['b'])} ({p['b']:,} B): "
-        f"B - A = {p['diff']:+,} B ({pct(p['rel_error'])}), {verdict} tolerance {100 * result['tolerance']:g}%"
+        f"B - A = {p['diff']:+,} B ({pct(p['rel_error'])})"
     )
+
+    ns = result.get("peak_without_kernel_scratch")
+    if ns:
+        judged = result["judged_on"] == "peak_without_kernel_scratch"
+        console.print(
+            f"without measured kernel scratch: A {ns['a']:,} B, B {ns['b']:,} B: B - A = {ns['diff']:+,} B "
+            f"({pct(ns['rel_error'])}){' <- judged' if judged else ''} (a dry run does not count kernel "
+            "workspaces; --with-kernel-scratch judges the full peak)"
+        )
+    console.print(f"{verdict} tolerance {100 * result['tolerance']:g}%")
 
     def table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> None:
         t = Table(title=title, title_justify="left", show_edge=False)

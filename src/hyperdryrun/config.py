@@ -112,6 +112,8 @@ class ParallelConfig(_Strict):
     """Pipeline stages per rank: 1 for single-stage schedules, 2 by default for multi-stage ones."""
     pp_stage_layers: list[int] | None = None
     """Decoder layers of each pipeline stage, in stage order (default: torchtitan's even split)."""
+    cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How ring attention passes K/V between CP ranks (torch 2.13 ``set_rotate_method``; torchtitan's default)."""
 
     @field_validator("pp_stage_layers")
     @classmethod
@@ -217,11 +219,6 @@ class JobConfig(_Strict):
     @model_validator(mode="after")
     def _layout(self) -> JobConfig:
         p, w, m = self.parallel, self.world, self.model.args()
-        for name in ("cp",):
-            if getattr(p, name) > 1:
-                raise ValueError(
-                    f"parallel.{name}={getattr(p, name)} is not supported yet (dense FSDP/TP only)"
-                )
         others = p.dp_replicate * p.cp * p.tp * p.pp
         if p.dp_shard is None:
             if w.world_size % others:
@@ -249,6 +246,8 @@ class JobConfig(_Strict):
             )
         if p.pp > 1:
             self._check_pipeline()
+        if p.cp > 1:
+            self._check_context_parallel()
         self._check_moe()
         if self.training.ac == "selective" and self.training.ac_selective != "op":
             if int(self.training.ac_selective) > m.n_layers:
@@ -256,6 +255,44 @@ class JobConfig(_Strict):
                     f"training.ac_selective={self.training.ac_selective} exceeds model.n_layers={m.n_layers}"
                 )
         return self
+
+    def _check_context_parallel(self) -> None:
+        """Context parallel: the head-tail load-balanced sequence split and what it can be combined with."""
+        p, seq = self.parallel, self.training.seq_len
+        if seq % (2 * p.cp):
+            raise ValueError(
+                f"training.seq_len={seq} is not divisible by 2*parallel.cp={2 * p.cp} (context parallel's "
+                "load-balanced layout splits the sequence into 2*cp chunks, two per rank)"
+            )
+        if p.tp > 1 and p.sequence_parallel and (seq // p.cp) % p.tp:
+            raise ValueError(
+                f"training.seq_len/parallel.cp={seq // p.cp} is not divisible by parallel.tp={p.tp} "
+                "(sequence parallel shards each context-parallel shard of the sequence)"
+            )
+        if p.pp > 1:
+            raise ValueError(
+                f"parallel.cp={p.cp} with parallel.pp={p.pp} is not supported yet "
+                "(this recipe's pipeline step does not run its stages under the context-parallel context)"
+            )
+        if self.target_device != "cuda":
+            raise ValueError(
+                f"parallel.cp={p.cp} needs target_device=cuda, got {self.target_device!r} (torch 2.13 ring attention "
+                "only dispatches the CUDA flash, memory-efficient and cuDNN SDPA kernels)"
+            )
+        compute = self.training.param_dtype or self.training.dtype
+        m = self.model.args()
+        if compute == "fp32" and m.n_kv_heads != m.n_heads:
+            raise ValueError(
+                f"parallel.cp={p.cp} with fp32 compute and grouped-query attention (model.n_kv_heads={m.n_kv_heads} "
+                f"< n_heads={m.n_heads}) is not supported: CUDA runs that SDPA with the math kernel (flash and cuDNN "
+                "need bf16/fp16, memory-efficient has no GQA in torch 2.13), which ring attention does not handle"
+            )
+        if compute == "fp32" and (seq // (2 * p.cp)) % 32:
+            raise ValueError(
+                f"training.seq_len={seq} with parallel.cp={p.cp} and fp32 compute: the memory-efficient SDPA kernel "
+                "pads its logsumexp to a multiple of 32 rows, so ring attention's half-shard merge needs "
+                f"seq_len/(2*cp)={seq // (2 * p.cp)} to be a multiple of 32"
+            )
 
     def _check_pipeline(self) -> None:
         """The pipeline layout: schedule vs stages per rank, the layer split, micro batches per schedule."""

@@ -19,6 +19,7 @@ from hyperdryrun.parallel import (
     fsdp_enabled,
     parallelize_llama,
 )
+from hyperdryrun.parallel.context import ContextParallelStep
 from hyperdryrun.parallel.expert import parallelize_moe
 from hyperdryrun.parallel.pipeline import LlamaPipeline
 from hyperdryrun.world.values import use_rules
@@ -98,7 +99,22 @@ def job_metadata(cfg: JobConfig) -> dict:
         },
         "optimizer_config": {"name": t.optimizer, "implementation": t.optimizer_impl},
         "pipeline": pipeline(cfg).metadata() if cfg.parallel.pp > 1 else None,
+        "context_parallel": context_parallel_metadata(cfg),
         "moe": moe_metadata(cfg),
+    }
+
+
+def context_parallel_metadata(cfg: JobConfig) -> dict | None:
+    """How the sequence is split over cp ranks (torch's head-tail load balancing) and how the ring exchanges K/V."""
+    p, t = cfg.parallel, cfg.training
+    if p.cp == 1:
+        return None
+    return {
+        "cp": p.cp,
+        "load_balancer": "head-tail",
+        "rotate_method": p.cp_rotate_method,
+        "local_seq_len": t.seq_len // p.cp,
+        "fsdp_mesh": "dp_replicate x dp_shard_cp" if p.dp_replicate > 1 else "dp_shard_cp",
     }
 
 
@@ -171,6 +187,19 @@ def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
             "pipeline: only this rank's stages were run; point-to-point sends and receives complete at once on the "
             "fake process group, so a send buffer is freed when the schedule drops it (on CUDA, NCCL's stream may "
             "hold it a little longer)"
+        )
+    elif cfg.parallel.cp > 1:
+        cp = ContextParallelStep(
+            lambda model, mesh: parallelize_llama(model, mesh, cfg),
+            cross_entropy_loss,
+            cfg.training.num_micro_batches,
+            rotate_method=cfg.parallel.cp_rotate_method,
+            loss_context=loss_context(cfg),
+        )
+        step_fn, parallelize_fn = cp.step, cp.parallelize
+        limitations.append(
+            "context parallel: ring attention's K/V exchanges complete at once on the fake process group, so a "
+            "received buffer is freed when the ring drops it (on CUDA, NCCL's stream may hold it a little longer)"
         )
     else:
         step_fn = micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg))

@@ -30,6 +30,11 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_TOLERANCE,
         help=f"largest |relative peak error| that passes (default {DEFAULT_TOLERANCE})",
     )
+    p.add_argument(
+        "--with-kernel-scratch",
+        action="store_true",
+        help="judge a measured side on its full peak, kernel workspaces included (default: without them)",
+    )
     p.add_argument("--device", default=None, help="device of a multi-device trace or snapshot (e.g. cuda:1)")
     p.add_argument(
         "--top", type=int, default=TOP_BLOCKS, help=f"unmatched blocks listed per side ({TOP_BLOCKS})"
@@ -63,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         a, b = _side(args.a, args.device), _side(args.b, args.device)
     except IngestError as err:
         return _fail(str(err), err, debug)
-    result = compare(a, b, args.tolerance, args.top)
+    result = compare(a, b, args.tolerance, args.top, with_kernel_scratch=args.with_kernel_scratch)
     if args.json:
         print(json.dumps(result, indent=2, allow_nan=False))
     else:

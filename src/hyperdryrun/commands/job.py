@@ -41,7 +41,12 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--dp-replicate": ("parallel.dp_replicate", int, "HSDP replicas"),
     "--dp-shard": ("parallel.dp_shard", int, "FSDP shard group size (default: what the world leaves)"),
     "--tp": ("parallel.tp", int, "tensor parallel degree"),
-    "--cp": ("parallel.cp", int, "context parallel degree (not supported yet)"),
+    "--cp": ("parallel.cp", int, "context parallel degree (ring attention over the sequence)"),
+    "--cp-rotate-method": (
+        "parallel.cp_rotate_method",
+        str,
+        "how ring attention exchanges K/V between CP ranks: allgather|alltoall",
+    ),
     "--pp": ("parallel.pp", int, "pipeline parallel degree"),
     "--pp-schedule": (
         "parallel.pp_schedule",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,21 +43,27 @@ class RankOutcome:
     error: str | None = None
 
 
-def run_rank(cfg: JobConfig, capture_stacks: bool = True) -> RankOutcome:
-    """Simulate ``cfg``'s rank and write its reports (an error report if the simulation fails)."""
+def run_rank(
+    cfg: JobConfig,
+    capture_stacks: bool = True,
+    execute: Callable[..., Any] | None = None,
+    mode: str = "dry-run",
+) -> RankOutcome:
+    """Run ``cfg``'s rank with ``execute`` (default: the dry run; ``measure`` passes the real run) and write its
+    reports, or an error report if it fails."""
     from hyperdryrun.engine import SimulationError
     from hyperdryrun.recipe import job_metadata, run_job
     from hyperdryrun.report import blocks_csv, build_report, error_report, write_error_report, write_reports
 
     rank = cfg.world.rank
     try:
-        trace = run_job(cfg, capture_stacks=capture_stacks)
+        trace = (execute or run_job)(cfg, capture_stacks=capture_stacks)
     except SimulationError as err:
         message = f"rank {rank}: {err.stage} failed: {type(err.error).__name__}: {err.error}"
         try:
-            meta = job_metadata(cfg)
+            meta = {**job_metadata(cfg), "mode": mode}
         except Exception:
-            meta = {}
+            meta = {"mode": mode}
         report = error_report(err.stage, err.error, meta)
         try:
             path = write_error_report(report, cfg.output_dir, rank)

@@ -55,7 +55,8 @@ class AllocEvent:
     ``key`` is the allocation id when the source has one (pointers are reused after a free), else the pointer.
     ``op_id`` identifies the op instance the event happened in (``None``: between ops); consecutive events with
     the same ``op_id`` belong to one task. ``op``/``phase``/``module``/``frames``/``category`` describe the
-    allocation and are ignored on frees.
+    allocation and are ignored on frees. ``scratch`` marks a kernel's workspace: allocated and freed inside one
+    kernel (an op a dry run sees as one task, of which it records only the outputs), on the allocation and its free.
     """
 
     time_ns: int
@@ -69,6 +70,7 @@ class AllocEvent:
     category: Category | None = None
     device: str = "cpu"
     micro_batch: int = 0
+    scratch: bool = False
 
 
 class FrameTable(StackTable):

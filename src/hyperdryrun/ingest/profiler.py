@@ -14,10 +14,11 @@ storage is alive; the live allocation at that pointer takes the category.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import torch
@@ -25,10 +26,13 @@ import torch
 from hyperdryrun.ingest.events import AllocEvent, normalize_device
 from hyperdryrun.trace.blocks import Category, Phase, stronger
 from hyperdryrun.trace.stacks import MAX_FRAMES, Frame, user_frame
+from hyperdryrun.trace.tracker import RESIZE_OP
 
 MARK_PREFIX = "hyperdryrun::mark::"
 MICRO_BATCH_PREFIX = "hyperdryrun::micro_batch::"
 _OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
+_ADDRESS = re.compile(r" (of [^>]* )?at 0x[0-9a-fA-F]+")
+_NOT_OPS = ("autograd::", "hyperdryrun::", "profiler::", "ProfilerStep")
 _AUTOGRAD_PREFIX = "autograd::engine::evaluate_function"
 # Ops that only hand out memory: the allocation is named after the op that called them.
 _ALLOCATING_OPS = {
@@ -94,7 +98,7 @@ class _Context:
 
     op: str = ""
     op_id: Hashable | None = None
-    backward_seq: int | None = None
+    kernel_end: int | None = None
     in_backward: bool = False
     module: str = ""
     module_in_backward: bool = False
@@ -107,7 +111,8 @@ def events_from_profiler(
     module_names: dict[int, str] | None = None,
     device: str | None = None,
 ) -> list[AllocEvent]:
-    """Allocation events of ``prof`` in time order, keyed by allocation id.
+    """Allocation events of ``prof`` in time order, keyed by allocation id (else by pointer, see
+    :func:`_allocation_keys`).
 
     ``module_names`` maps ``id(module)`` to its FQN (else modules are named by class). ``device`` keeps one
     device's events (default: all). A free of a storage allocated before profiling started is keyed
@@ -152,13 +157,20 @@ def events_from_profiler(
                 return
             ctx = _Context(**ctx.__dict__)
             if name.startswith(_AUTOGRAD_PREFIX):
-                ctx.in_backward, ctx.backward_seq = True, extra.sequence_number
+                ctx.in_backward = True
                 ctx.module, ctx.module_in_backward = seq_module.get(extra.sequence_number, ""), False
-            elif name.startswith("aten::"):
+            elif "::" in name and not name.startswith(_NOT_OPS):
+                # A dispatcher op (aten, c10d, _c10d_functional...): the outermost is the task.
                 if ctx.op_id is None:
                     ctx.op_id = ("op", e.start_tid, e.start_time_ns, name)
-                if name not in _ALLOCATING_OPS or not ctx.op:
-                    ctx.op = name.removeprefix("aten::")
+                if ctx.kernel_end is None:
+                    # Named after the kernel a dry run dispatches (addmm for linear, the local op under DTensor);
+                    # above it, after the innermost op that is more than an allocation.
+                    if not _composite(name) and not _runs_python(e, _EventType):
+                        ctx.kernel_end = e.end_time_ns
+                        ctx.op = name.split("::", 1)[1]
+                    elif name not in _ALLOCATING_OPS or not ctx.op:
+                        ctx.op = name.split("::", 1)[1]
                 if not ctx.in_backward and extra.sequence_number >= 0 and ctx.module:
                     seq_module.setdefault(extra.sequence_number, ctx.module)
         elif kind in (_EventType.PyCall, _EventType.PyCCall):
@@ -178,13 +190,14 @@ def events_from_profiler(
     if not saw_memory:
         raise ProfilerIngestError("the profile has no memory events: profile with profile_memory=True")
     flat.sort(key=lambda item: item[0].start_time_ns)
-    categories = _categories_from_marks(flat, sorted(marks, key=lambda m: m[0]))
+    keys = _allocation_keys(flat)
+    scratch = _kernel_scratch(flat, keys)
+    categories = _categories_from_marks(flat, keys, sorted(marks, key=lambda m: m[0]))
 
     micro_batches.sort()
     events: list[AllocEvent] = []
-    seen: set[int] = set()
     mb_index, micro_batch = 0, 0
-    for e, ctx in flat:
+    for (e, ctx), key in zip(flat, keys, strict=True):
         while mb_index < len(micro_batches) and micro_batches[mb_index][0] <= e.start_time_ns:
             micro_batch = micro_batches[mb_index][1]
             mb_index += 1
@@ -193,11 +206,6 @@ def events_from_profiler(
         if device is not None and not dev.startswith(normalize_device(device)):
             continue
         size = int(f.alloc_size)
-        if size > 0:
-            seen.add(f.allocation_id)
-            key: Hashable = f.allocation_id
-        else:
-            key = f.allocation_id if f.allocation_id in seen else ("ptr", int(f.ptr))
         if _inside(optimizer_spans, e.start_time_ns):
             phase = Phase.OPTIMIZER
         elif ctx.in_backward:
@@ -209,39 +217,123 @@ def events_from_profiler(
                 time_ns=int(e.start_time_ns),
                 key=key,
                 nbytes=size,
-                op=ctx.op or (e.parent.name if e.parent is not None else ""),
+                op=ctx.op or _call_name(e.parent),
                 op_id=ctx.op_id,
                 phase=phase,
                 module=ctx.module,
                 frames=_user_frames(list(ctx.frames)) if size > 0 else (),
-                category=categories.get(f.allocation_id),
+                category=categories.get(key),
                 device=dev,
                 micro_batch=micro_batch,
+                scratch=key in scratch,
             )
         )
     return events
+
+
+def _call_name(parent: Any) -> str:
+    """Name of a non-aten allocation site (a Python call), stable across runs (no object addresses)."""
+    if parent is None:
+        return "<unknown>"
+    name = parent.name
+    if "method resize_ of torch.storage.UntypedStorage" in name:
+        return RESIZE_OP
+    return _ADDRESS.sub("", name)
+
+
+def _runs_python(e: Any, kinds: Any) -> bool:
+    """Whether an op dispatched to Python (a tensor subclass such as DTensor, or a dispatch mode): then it is not
+    one kernel, and the ops its Python code issues are what a dry run sees. Other Python inside an op (a garbage
+    collection running weakref callbacks during a slow kernel) does not count."""
+    return any(
+        c.name == "PythonSubclass" or (c.typed[0] == kinds.PyCall and c.name.endswith("__torch_dispatch__"))
+        for c in e.children
+    )
+
+
+@cache
+def _composite(name: str) -> bool:
+    """Whether an aten op decomposes above the dispatcher's backends (CompositeImplicitAutograd): a dry run sees
+    the ops it decomposes into, not the op itself. Overloads are not in the profile; any composite one counts."""
+    if not name.startswith("aten::"):
+        return False
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    if packet is None:
+        return False
+    base = name if name.startswith("aten::") else f"aten::{name}"
+    for ov in packet.overloads():
+        qualified = base if ov == "default" else f"{base}.{ov}"
+        try:
+            if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"):
+                return True
+        except RuntimeError:  # an overload registered only for some backends (e.g. a TorchScript-only one)
+            continue
+    return False
+
+
+def _allocation_keys(flat: list[tuple[Any, _Context]]) -> list[Hashable]:
+    """One key per event, shared by an allocation and its free: the profiler's allocation id where it assigned
+    one (torch 2.13 does with ``record_shapes=True``), else the pointer, paired in time order (a pointer is not
+    handed out again before it is freed). A free of memory allocated before profiling began is ``("ptr", p)``."""
+    keys: list[Hashable] = []
+    allocated: set[Hashable] = set()
+    live: dict[tuple[str, int], Hashable] = {}
+    for i, (e, _) in enumerate(flat):
+        f = e.typed[1]
+        where = (str(f.device), int(f.ptr))
+        aid = f.allocation_id
+        if f.alloc_size > 0:
+            key: Hashable = aid if aid is not None else ("alloc", i)
+            allocated.add(key)
+            live[where] = key
+        else:
+            if aid is not None:
+                key = aid if aid in allocated else ("ptr", int(f.ptr))
+            else:
+                key = live.get(where, ("ptr", int(f.ptr)))
+            if live.get(where) == key:
+                del live[where]
+        keys.append(key)
+    return keys
+
+
+def _kernel_scratch(flat: list[tuple[Any, _Context]], keys: list[Hashable]) -> set[Hashable]:
+    """Keys of allocations freed before the kernel that allocated them returned (workspace, not an output)."""
+    inside: dict[Hashable, int] = {}
+    out: set[Hashable] = set()
+    for (e, ctx), key in zip(flat, keys, strict=True):
+        if e.typed[1].alloc_size > 0:
+            if ctx.kernel_end is not None:
+                inside[key] = ctx.kernel_end
+        else:
+            end = inside.pop(key, None)
+            if end is not None and e.start_time_ns <= end:
+                out.add(key)
+    return out
 
 
 def _inside(spans: list[tuple[int, int]], t: int) -> bool:
     return any(a <= t <= b for a, b in spans)
 
 
-def _categories_from_marks(flat: list[tuple[Any, _Context]], marks: list[tuple[int, int, Category]]):
-    """Allocation id -> category: each marker names the allocation live at its pointer at its time."""
-    out: dict[int, Category] = {}
-    live: dict[int, int] = {}  # ptr -> allocation id
+def _categories_from_marks(
+    flat: list[tuple[Any, _Context]], keys: list[Hashable], marks: list[tuple[int, int, Category]]
+) -> dict[Hashable, Category]:
+    """Allocation key -> category: each marker names the allocation live at its pointer at its time."""
+    out: dict[Hashable, Category] = {}
+    live: dict[int, Hashable] = {}  # ptr -> key
     i = 0
     for t, ptr, cat in marks:
         while i < len(flat) and flat[i][0].start_time_ns <= t:
             f = flat[i][0].typed[1]
             if f.alloc_size > 0:
-                live[int(f.ptr)] = f.allocation_id
-            elif live.get(int(f.ptr)) == f.allocation_id:
+                live[int(f.ptr)] = keys[i]
+            elif live.get(int(f.ptr)) == keys[i]:
                 del live[int(f.ptr)]
             i += 1
-        aid = live.get(ptr)
-        if aid is not None:
-            out[aid] = stronger(out.get(aid), cat)
+        key = live.get(ptr)
+        if key is not None:
+            out[key] = stronger(out.get(key), cat)
     return out
 
 

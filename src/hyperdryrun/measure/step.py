@@ -31,13 +31,18 @@ from hyperdryrun.engine import (
 )
 from hyperdryrun.ingest.events import trace_from_events
 from hyperdryrun.ingest.profiler import events_from_profiler, mark, mark_micro_batch, resident_events
-from hyperdryrun.trace.blocks import Category
-from hyperdryrun.trace.tracker import clean_fqn, local_tensor
+from hyperdryrun.trace.blocks import STEP_PHASES, Category, Phase, live_bytes_by_task
+from hyperdryrun.trace.tracker import ModuleStats, clean_fqn, local_tensor, unique_storage_bytes
 from hyperdryrun.world import SimulatedWorld
 
 FAKE_PG_LIMITATION = (
     "measured with real tensors for one rank and the fake process group: collectives allocate their outputs "
     "but move no data, and the other ranks were not run"
+)
+KERNEL_SCRATCH_NOTE = (
+    "blocks allocated and freed inside one kernel (e.g. oneDNN's bf16 GEMM scratchpad, a CPU mm's contiguous "
+    "copy of an operand) are real and counted in peak_bytes; a dry run records op outputs only, so "
+    "peak_bytes_excluding is the figure that counts what it counts"
 )
 PROFILER_LIMITATION = (
     "measured from torch.profiler memory events on the '{device}' allocator: every allocation the step made, "
@@ -79,7 +84,13 @@ def measure(
     stage = "world"
     t0 = time.perf_counter()
     world = SimulatedWorld(
-        world_size, rank, local_rank, mesh_shape, mesh_dim_names, target_device=device, simulation_device=device
+        world_size,
+        rank,
+        local_rank,
+        mesh_shape,
+        mesh_dim_names,
+        target_device=device,
+        simulation_device=device,
     )
     try:
         with world:
@@ -125,6 +136,7 @@ def measure(
             if not capture_stacks:
                 events = [dataclasses.replace(e, frames=()) for e in events]
             del prof
+            core = trace_from_events([e for e in events if not e.scratch], resident=resident, alignment=1)
             trace = trace_from_events(
                 events,
                 resident=resident,
@@ -140,6 +152,14 @@ def measure(
                     "optimizer": type(optimizer).__name__,
                     **(metadata or {}),
                     "mode": "measured",
+                    "kernel_scratch": {
+                        "peak_bytes_excluding": core.peak,
+                        "phase_peak_bytes_excluding": {
+                            str(ph): core.phase_peak[ph] for ph in STEP_PHASES if ph in core.phase_peak
+                        },
+                        "num_blocks": sum(1 for e in events if e.scratch and e.nbytes > 0),
+                        "note": KERNEL_SCRATCH_NOTE,
+                    },
                 },
                 limitations=[PROFILER_LIMITATION.format(device=device)]
                 + ([FAKE_PG_LIMITATION] if world_size > 1 else []),
@@ -147,10 +167,47 @@ def measure(
                 device=device,
                 timings=timings,
             )
+            trace.modules = module_stats(model, trace)
             del model, optimizer
     except Exception as err:
         raise SimulationError(stage, err) from err
     return trace
+
+
+def module_stats(model: nn.Module, trace: StepTrace) -> dict[str, ModuleStats]:
+    """Per module: parameter and buffer bytes (local shards), and its forward/backward local peaks: the most live
+    bytes at a task whose allocations belong to the module or one inside it (recompute counts as backward, as in the
+    dry run). Backward ownership comes from the autograd sequence number of the forward op, not from backward
+    hooks as in the dry run, so backward local peaks of outer modules can differ by definition. Input/output bytes
+    and call counts are not measured and stay 0. Containers that are never called (ModuleDict/ModuleList) get no
+    peaks, as in the dry run."""
+    stats: dict[str, ModuleStats] = {}
+    called: set[str] = set()
+    for name, mod in model.named_modules():
+        m = stats.setdefault(clean_fqn(name), ModuleStats(clean_fqn(name)))
+        if not isinstance(mod, (nn.ModuleDict, nn.ModuleList)):
+            called.add(m.fqn)
+        m.param_bytes = unique_storage_bytes(list(mod.parameters()), 1)
+        m.buffer_bytes = unique_storage_bytes(list(mod.buffers()), 1)
+    task_module: dict[int, str] = {}
+    for blk in trace.blocks:
+        if blk.phase is not Phase.INITIALIZATION:
+            task_module.setdefault(blk.start, blk.module)
+    live = live_bytes_by_task(trace.blocks, trace.num_tasks)
+    for task, fqn in task_module.items():
+        if not fqn:
+            continue
+        backward = trace.task_phase[task] in (Phase.BACKWARD, Phase.RECOMPUTE)
+        parts = [] if fqn == "<root>" else fqn.split(".")
+        for owner in ["<root>", *(".".join(parts[: i + 1]) for i in range(len(parts)))]:
+            m = stats.get(owner)
+            if m is None or owner not in called:
+                continue
+            if backward:
+                m.bw_peak = max(m.bw_peak, live[task])
+            elif trace.task_phase[task] is Phase.FORWARD:
+                m.fw_peak = max(m.fw_peak, live[task])
+    return stats
 
 
 def _default_init(model: nn.Module) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import partial
 
@@ -47,10 +48,28 @@ class ParallelDims:
 
 
 def fsdp_enabled(cfg: JobConfig) -> bool:
-    """FSDP2 is applied when data is sharded/replicated, or to get its mixed-precision policy."""
+    """FSDP2 is applied when data is sharded/replicated, with context parallel (whose ranks share the parameters
+    and reduce their gradients, torchtitan's ``fsdp_enabled``), or to get its mixed-precision policy."""
     t, p = cfg.training, cfg.parallel
     mixed = (t.param_dtype not in (None, t.dtype)) or (t.reduce_dtype not in (None, t.dtype))
-    return p.dp_shard * p.dp_replicate > 1 or mixed
+    return p.dp_shard * p.dp_replicate * p.cp > 1 or mixed
+
+
+def fsdp_mesh(mesh, cfg: JobConfig):
+    """The mesh FSDP2 shards over: dp_shard, joined by cp into torchtitan's flattened "dp_shard_cp" when cp > 1,
+    with dp_replicate in front for HSDP."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1 else mesh["dp_shard"]
+    # DeviceMesh._flatten: private in torch 2.13, as torchtitan uses it.
+    flat = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+    if p.dp_replicate == 1:
+        return flat
+    with warnings.catch_warnings():
+        # torch 2.13 warns that slicing a flattened dim from the root mesh "will be deprecated in PT 2.11"; it is
+        # how torchtitan builds the HSDP mesh, and 2.13 offers no other way to pair dp_replicate with dp_shard_cp.
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+        return mesh["dp_replicate", "dp_shard_cp"]
 
 
 def apply_tp(model: nn.Module, tp_mesh, cfg: JobConfig) -> None:
@@ -162,8 +181,7 @@ def parallelize_llama(model: nn.Module, mesh, cfg: JobConfig) -> nn.Module:
         apply_tp(model, mesh["tp"], cfg)
     apply_ac(model, cfg.training.ac, cfg.training.ac_selective)
     if fsdp_enabled(cfg):
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, cfg)
+        apply_fsdp(model, fsdp_mesh(mesh, cfg), cfg)
     return model
 
 

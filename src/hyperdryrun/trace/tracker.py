@@ -48,6 +48,7 @@ _METADATA_OPS = {
     _aten._has_compatible_shallow_copy_type.default,
 }
 RESIZE_OP = "storage.resize_"
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
 def clean_fqn(name: str) -> str:
@@ -259,7 +260,16 @@ class MemoryTracker:
     def _skip(self, func: Any) -> bool:
         skip = self._view_or_meta.get(func)
         if skip is None:
-            skip = func in _METADATA_OPS or bool(getattr(func, "is_view", False))
+            # A view op never allocates, so it is skipped; but a composite op whose schema *may* alias (``to``,
+            # ``contiguous``, ``reshape``) reaches the mode undecomposed below autograd (e.g. torch 2.13's context
+            # parallel ring) and then copies: it is tracked, and the input-storage check keeps its aliasing
+            # outputs from counting.
+            skip = func in _METADATA_OPS or (
+                bool(getattr(func, "is_view", False))
+                and not torch._C._dispatch_has_kernel_for_dispatch_key(
+                    func.name(), "CompositeImplicitAutograd"
+                )
+            )
             self._view_or_meta[func] = skip
         return skip
 
@@ -268,6 +278,8 @@ class MemoryTracker:
         # target kernel's allocations (e.g. the embedding_dense_backward decomposition upcasts and expands
         # indices, which CUDA's kernel does not), so only the outermost op's outputs count.
         if self._depth > 1 or self._skip(func):
+            return
+        if func is _WAIT_TENSOR and self._alias(args[0], out):
             return
         live = self._live
         used = []
@@ -313,6 +325,21 @@ class MemoryTracker:
             for st in new:
                 self._open(st, id(st), task, name, phase, sid)
         self._end_task(phase)
+
+    def _alias(self, inp: Any, out: Any) -> bool:
+        """``out`` is ``inp``'s memory: torch 2.13's real ``_c10d_functional.wait_tensor`` returns its input, while
+        its Meta kernel (used under fake mode) returns ``empty_like(input)``. The block moves to ``out``'s storage."""
+        if not isinstance(inp, torch.Tensor) or not isinstance(out, torch.Tensor):
+            return False
+        src, dst = inp.untyped_storage(), out.untyped_storage()
+        blk = self._live.pop(id(src), None)
+        if blk is None:
+            return False
+        key = id(dst)
+        self._live[key] = blk
+        if key not in self._refs:
+            self._refs[key] = weakref.ref(dst, self._storage_died(key))
+        return True
 
     def _end_task(self, phase: Phase) -> None:
         cur = self.current

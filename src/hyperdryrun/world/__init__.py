@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +90,8 @@ class SimulatedWorld:
         self._stack = stack
         try:
             stack.callback(_restore_globals, _save_globals())
+            _clear_dtensor_caches()
+            stack.callback(_clear_dtensor_caches)
             from torch.testing._internal.distributed.fake_pg import FakeStore
 
             dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
@@ -144,12 +147,27 @@ class SimulatedWorld:
         return out
 
 
+def _clear_dtensor_caches() -> None:
+    """torch 2.13 DTensor caches sharding decisions keyed by DeviceMesh, whose equality ignores the process groups:
+    after one world is destroyed, the next world's equal-looking mesh would get specs naming the old, dead groups
+    ("Could not resolve the process group registered under the name ...")."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python LRU cache and the C++ fast path's
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    clear_redistribute_planner_cache()
+
+
 def _save_globals() -> dict[str, Any]:
     return {
         "dtype": torch.get_default_dtype(),
         "device": torch.get_default_device(),
         "environ": dict(os.environ),
         "grad": torch.is_grad_enabled(),
+        # torch 2.13 init_process_group wraps sys.excepthook with a "[rank<r>]:" prefix and never unwraps it.
+        "excepthook": sys.excepthook,
     }
 
 
@@ -157,6 +175,7 @@ def _restore_globals(saved: dict[str, Any]) -> None:
     torch.set_default_dtype(saved["dtype"])
     torch.set_default_device(saved["device"] if saved["device"].type != "cpu" else None)
     torch.set_grad_enabled(saved["grad"])
+    sys.excepthook = saved["excepthook"]
     if dict(os.environ) != saved["environ"]:
         os.environ.clear()
         os.environ.update(saved["environ"])

@@ -1,0 +1,176 @@
+"""``measure``: the dry run's job executed for real; residents, categories, metadata, restored globals, CLI."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.modules import module as nn_module
+from torch.optim import optimizer as optim_module
+
+from hyperdryrun.cli import OneLineParser
+from hyperdryrun.commands.measure import register
+from hyperdryrun.config import build_config
+from hyperdryrun.engine import SimulationError, micro_batch_step
+from hyperdryrun.measure import measure, measure_job
+from hyperdryrun.measure.step import FAKE_PG_LIMITATION
+from hyperdryrun.recipe import batch_fn, llama_loss, model_fn
+from hyperdryrun.report import CSV_COLUMNS, blocks_csv, build_report
+from hyperdryrun.report.writer import to_json
+
+F32 = 4
+
+
+def cfg(**training):
+    return build_config(
+        {
+            "model": {"name": "llama-tiny"},
+            "training": {"seq_len": 32, "param_dtype": "fp32", **training},
+            "target_device": "cpu",
+        }
+    )
+
+
+def global_state():
+    """Everything a measurement could leave behind in this process."""
+    return (
+        dist.is_initialized(),
+        len(nn_module._global_forward_pre_hooks),
+        len(nn_module._global_forward_hooks),
+        len(optim_module._global_optimizer_pre_hooks),
+        len(optim_module._global_optimizer_post_hooks),
+        torch.autograd.profiler._is_profiler_enabled,
+        torch.get_default_dtype(),
+        torch.is_grad_enabled(),
+        sys.excepthook,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    c = cfg()
+    return c, measure_job(c)
+
+
+def test_residents_are_parameters_buffers_and_adamw_states_by_shape(tiny):
+    c, trace = tiny
+    args = c.model.args()
+    n = args.num_params()
+    rope = c.training.seq_len * args.head_dim * F32
+    # fp32 parameters, exp_avg and exp_avg_sq, and the RoPE buffer; no gradients after zero_grad(set_to_none).
+    assert trace.initial == n * F32 + 2 * n * F32 + rope
+
+
+def test_at_the_optimizer_peak_every_gradient_and_state_is_live_and_categorised(tiny):
+    c, trace = tiny
+    n = c.model.args().num_params()
+    s = build_report(trace)["summary"]
+    assert s["peak_phase"] == "optimizer"
+    b = s["breakdown_at_peak"]
+    assert (b["Parameter"], b["Gradient"], b["Optstate"]) == (n * F32, n * F32, 2 * n * F32)
+
+
+def test_module_parameter_bytes_follow_the_layer_shapes(tiny):
+    c, trace = tiny
+    a = c.model.args()
+    kv = a.n_kv_heads * a.head_dim
+    expected = {
+        "layers.0.attention.wq": a.dim * a.dim * F32,
+        "layers.1.attention.wk": a.dim * kv * F32,
+        "layers.0.feed_forward.w1": a.dim * a.ffn_dim * F32,
+        "output": a.vocab_size * a.dim * F32,
+        "<root>": a.num_params() * F32,
+    }
+    assert {k: trace.modules[k].param_bytes for k in expected} == expected
+    assert trace.modules["<root>"].buffer_bytes == c.training.seq_len * a.head_dim * F32
+    assert trace.modules["layers"].fw_peak == 0  # a ModuleDict is never called
+    assert 0 < trace.modules["layers.0.attention.wq"].fw_peak <= trace.modules["<root>"].fw_peak <= trace.peak
+
+
+def test_metadata_says_measured_and_reports_kernel_scratch(tiny):
+    _, trace = tiny
+    md = trace.metadata
+    assert md["mode"] == "measured" and md["target_device"] == "cpu" and md["world_size"] == 1
+    assert 0 < md["kernel_scratch"]["peak_bytes_excluding"] <= trace.peak
+    assert FAKE_PG_LIMITATION not in trace.limitations
+
+
+def test_same_job_gives_byte_identical_reports():
+    first, second = (measure_job(cfg()) for _ in range(2))  # one call site: identical stacks expected too
+    assert blocks_csv(first) == blocks_csv(second)
+    assert to_json(build_report(first)) == to_json(build_report(second))
+
+
+def test_world_two_runs_one_rank_with_the_fake_process_group():
+    c = build_config(
+        {"model": {"name": "llama-tiny"}, "training": {"seq_len": 32}, "world": {"world_size": 2, "rank": 1}}
+    )
+    before = global_state()
+    trace = measure_job(c, capture_stacks=False)
+    assert global_state() == before
+    assert FAKE_PG_LIMITATION in trace.limitations
+    assert trace.metadata["rank"] == 1 and trace.metadata["mesh_shape"] == [1, 1, 2, 1, 1]
+
+
+def test_globals_are_restored_when_the_profiled_step_fails():
+    c = cfg()
+    calls = []
+    inner = micro_batch_step(llama_loss, 1)
+
+    def step(model, opt, batches):
+        calls.append(1)
+        if len(calls) == 2:  # the warm-up succeeds, the profiled step fails
+            raise RuntimeError("boom")
+        inner(model, opt, batches)
+
+    before = global_state()
+    with pytest.raises(SimulationError, match="step: RuntimeError: boom"):
+        measure(model_fn(c), batch_fn(c), step_fn=step, world_size=2, mesh_shape=(2,))
+    assert global_state() == before
+
+
+def run_cli(argv, capsys):
+    parser = OneLineParser(prog="hyperdryrun")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    register(sub)
+    try:
+        args = parser.parse_args(["measure", *argv])
+        rc = args.func(args)
+    except SystemExit as exc:
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_writes_the_report_pair_in_the_run_schema(tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    rc, out, _ = run_cli(
+        ["--model", "llama-tiny", "--seq-len", "32", "--target-device", "cpu", "--output-dir", str(out_dir)],
+        capsys,
+    )
+    assert rc == 0, out
+    report = json.loads((out_dir / "rank_0" / "rank_0_memory.json").read_text())
+    assert report["status"] == "ok" and report["metadata"]["mode"] == "measured"
+    header = (out_dir / "rank_0" / "rank_0_memory.csv").read_text().splitlines()[0]
+    assert header == ",".join(CSV_COLUMNS)
+    assert "without kernel scratch" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--seq-len", "0"], "training.seq_len (--seq-len)"),
+        (["--world-size", "3", "--tp", "2"], "world.world_size=3"),
+        (["--dtype", "fp8"], "training.dtype (--dtype)"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, needle):
+    out_dir = tmp_path / "out"
+    rc, _, err = run_cli(["--model", "llama-tiny", "--output-dir", str(out_dir), *argv], capsys)
+    assert rc == 2
+    assert err.startswith("hyperdryrun: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert needle in err
+    assert not out_dir.exists()
