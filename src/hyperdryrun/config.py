@@ -367,6 +367,10 @@ class JobConfig(_Strict):
             raise ValueError(
                 f"parallel.tp={p.tp} with an MoE model is not supported yet (MoE runs with FSDP/EP/PP)"
             )
+        if p.cp > 1:
+            raise ValueError(
+                f"parallel.cp={p.cp} with an MoE model is not supported yet (MoE runs with FSDP/EP/PP)"
+            )
         if p.etp > 1:
             raise ValueError(
                 f"parallel.etp={p.etp} is not supported yet (expert tensor parallel needs tp > 1; experts use etp=1)"

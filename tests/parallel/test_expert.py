@@ -177,6 +177,7 @@ def test_dispatch_without_active_rules_names_the_module_and_restores_globals():
         ),
         (dict(parallel__etp=2, world__world_size=2), "parallel.etp=2 is not supported yet"),
         (dict(parallel__tp=2, world__world_size=2), "parallel.tp=2 with an MoE model is not supported yet"),
+        (dict(parallel__cp=2, world__world_size=2), "parallel.cp=2 with an MoE model is not supported yet"),
         (
             dict(values__routing="explicit", values__counts=[1, 2, 3, 4]),
             "values.counts=[1, 2, 3, 4] must have",
