@@ -14,6 +14,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hyperdryrun.models.llama import PRESETS, LlamaArgs
+from hyperdryrun.models.moe import PRESETS as MOE_PRESETS
+from hyperdryrun.models.moe import MoEArgs
+from hyperdryrun.world.values import ROUTING_OP, ValueRule, ValueRules
 
 Dtype = Literal["bf16", "fp32"]
 PipelineSchedule = Literal[
@@ -53,17 +56,41 @@ class ModelConfig(_Strict):
     norm_eps: float | None = Field(None, gt=0)
     rope_theta: float | None = Field(None, gt=0)
     tie_embeddings: bool | None = None
+    # --- MoE models (presets of hyperdryrun.models.moe) ---
+    num_experts: int | None = Field(None, gt=0)
+    top_k: int | None = Field(None, gt=0)
+    moe_ffn_dim: int | None = Field(None, gt=0)
+    num_shared_experts: int | None = Field(None, ge=0)
+    n_dense_layers: int | None = Field(None, ge=0)
 
     @field_validator("name")
     @classmethod
     def _known_preset(cls, v: str) -> str:
-        if v not in PRESETS:
-            raise ValueError(f"unknown model {v!r}; choose one of {', '.join(sorted(PRESETS))}")
+        if v not in PRESETS and v not in MOE_PRESETS:
+            names = ", ".join(sorted([*PRESETS, *MOE_PRESETS]))
+            raise ValueError(f"unknown model {v!r}; choose one of {names}")
         return v
 
-    def args(self) -> LlamaArgs:
+    @model_validator(mode="after")
+    def _moe_fields_need_moe(self) -> ModelConfig:
+        if not self.is_moe:
+            for f in MOE_FIELDS:
+                if getattr(self, f) is not None:
+                    raise ValueError(
+                        f"model.{f}={getattr(self, f)} needs an MoE model, {self.name!r} is dense"
+                    )
+        return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.name in MOE_PRESETS
+
+    def args(self) -> LlamaArgs | MoEArgs:
         overrides = {k: v for k, v in self.model_dump(exclude={"name"}).items() if v is not None}
-        return PRESETS[self.name].replace(**overrides)
+        return (MOE_PRESETS if self.is_moe else PRESETS)[self.name].replace(**overrides)
+
+
+MOE_FIELDS = ("num_experts", "top_k", "moe_ffn_dim", "num_shared_experts", "n_dense_layers")
 
 
 class ParallelConfig(_Strict):
@@ -134,6 +161,38 @@ class TrainingConfig(_Strict):
         return v
 
 
+class ValuesConfig(_Strict):
+    """Data-dependent values (hyperdryrun.world.values): the MoE routing scenario and extra value rules."""
+
+    routing: Literal["balanced", "hotspot", "explicit"] = "balanced"
+    """Tokens per expert on each rank: even, one hot expert, or ``counts`` as given."""
+    hot_expert: int = Field(0, ge=0)
+    skew: float = Field(2.0, ge=1)
+    """hotspot: the hot expert's load as a multiple of the balanced load."""
+    counts: list[int] | None = None
+    """explicit: tokens per expert of one rank's micro batch (sum = micro_batch_size * seq_len * top_k)."""
+    rules: list[ValueRule] = []
+    """Rules tried first (module/op patterns); the routing scenario applies to every MoE layer they leave."""
+
+    @model_validator(mode="after")
+    def _scenario_fields(self) -> ValuesConfig:
+        if self.routing == "explicit" and not self.counts:
+            raise ValueError("values.routing='explicit' needs values.counts (tokens per expert)")
+        if self.counts is not None and any(c < 0 for c in self.counts):
+            raise ValueError(f"values.counts={self.counts} must all be >= 0")
+        return self
+
+    def routing_rule(self) -> ValueRule:
+        return ValueRule(
+            module="*", op=ROUTING_OP, handler=self.routing, hot_expert=self.hot_expert, skew=self.skew,
+            counts=self.counts,
+        )  # fmt: skip
+
+    def value_rules(self) -> ValueRules:
+        """The rules a run uses: the explicit ones first, then the routing scenario for every MoE layer."""
+        return ValueRules([*self.rules, self.routing_rule()])
+
+
 class RankConfig(_Strict):
     world_size: int = Field(1, ge=1)
     rank: int = Field(0, ge=0)
@@ -151,6 +210,7 @@ class JobConfig(_Strict):
     parallel: ParallelConfig = ParallelConfig()
     training: TrainingConfig = TrainingConfig()
     world: RankConfig = RankConfig()
+    values: ValuesConfig = ValuesConfig()
     target_device: Literal["cuda", "cpu"] = "cuda"
     device_memory_gib: float | None = Field(None, gt=0)
     output_dir: str = "hyperdryrun_out"
@@ -159,11 +219,6 @@ class JobConfig(_Strict):
     @model_validator(mode="after")
     def _layout(self) -> JobConfig:
         p, w, m = self.parallel, self.world, self.model.args()
-        for name in ("ep", "etp"):
-            if getattr(p, name) > 1:
-                raise ValueError(
-                    f"parallel.{name}={getattr(p, name)} is not supported yet (dense FSDP/TP only)"
-                )
         others = p.dp_replicate * p.cp * p.tp * p.pp
         if p.dp_shard is None:
             if w.world_size % others:
@@ -193,6 +248,7 @@ class JobConfig(_Strict):
             self._check_pipeline()
         if p.cp > 1:
             self._check_context_parallel()
+        self._check_moe()
         if self.training.ac == "selective" and self.training.ac_selective != "op":
             if int(self.training.ac_selective) > m.n_layers:
                 raise ValueError(
@@ -291,6 +347,49 @@ class JobConfig(_Strict):
                 raise ValueError(
                     f"training.num_micro_batches={n_mb} must be a multiple of max(1, num_micro_batches // pp) "
                     f"= {rounds} for parallel.pp_schedule={p.pp_schedule}"
+                )
+
+    def _check_moe(self) -> None:
+        """Expert parallel and the routing scenario against the MoE model's shapes."""
+        p, m, v = self.parallel, self.model.args(), self.values
+        if not self.model.is_moe:
+            for name in ("ep", "etp"):
+                if getattr(p, name) > 1:
+                    raise ValueError(
+                        f"parallel.{name}={getattr(p, name)} needs an MoE model, {self.model.name!r} is dense"
+                    )
+            return
+        if m.top_k > m.num_experts:
+            raise ValueError(f"model.top_k={m.top_k} exceeds model.num_experts={m.num_experts}")
+        if m.n_dense_layers > m.n_layers:
+            raise ValueError(f"model.n_dense_layers={m.n_dense_layers} exceeds model.n_layers={m.n_layers}")
+        if p.tp > 1:
+            raise ValueError(
+                f"parallel.tp={p.tp} with an MoE model is not supported yet (MoE runs with FSDP/EP/PP)"
+            )
+        if p.cp > 1:
+            raise ValueError(
+                f"parallel.cp={p.cp} with an MoE model is not supported yet (MoE runs with FSDP/EP/PP)"
+            )
+        if p.etp > 1:
+            raise ValueError(
+                f"parallel.etp={p.etp} is not supported yet (expert tensor parallel needs tp > 1; experts use etp=1)"
+            )
+        if p.dp_shard % p.ep:
+            raise ValueError(
+                f"parallel.ep={p.ep} must divide parallel.dp_shard={p.dp_shard} (EP splits dp_shard)"
+            )
+        if m.num_experts % p.ep:
+            raise ValueError(f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts}")
+        tokens = self.training.micro_batch_size * self.training.seq_len
+        if v.hot_expert >= m.num_experts:
+            raise ValueError(f"values.hot_expert={v.hot_expert} must be < model.num_experts={m.num_experts}")
+        if v.routing == "explicit":
+            c = v.counts or []
+            if len(c) != m.num_experts or sum(c) != tokens * m.top_k or max(c) > tokens:
+                raise ValueError(
+                    f"values.counts={c} must have model.num_experts={m.num_experts} entries summing to "
+                    f"micro_batch_size*seq_len*top_k = {tokens * m.top_k}, each <= {tokens} tokens"
                 )
 
     @property

@@ -25,7 +25,8 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": (
         "model.name",
         str,
-        "model preset (llama3-8b, llama3-70b, llama3-405b, llama-debug, llama-tiny)",
+        "model preset (llama3-8b, llama3-70b, llama3-405b, llama-debug, llama-tiny; MoE: mixtral-8x7b, "
+        "qwen3-30b-a3b, deepseek-v3, moe-debug, moe-tiny)",
     ),
     "--dim": ("model.dim", int, "hidden size"),
     "--n-layers": ("model.n_layers", int, "number of decoder layers"),
@@ -62,8 +63,26 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
         _int_list,
         "decoder layers of each pipeline stage, comma-separated (default: even split)",
     ),
-    "--ep": ("parallel.ep", int, "expert parallel degree (not supported yet)"),
-    "--etp": ("parallel.etp", int, "expert tensor parallel degree (not supported yet)"),
+    "--ep": ("parallel.ep", int, "expert parallel degree (MoE models; divides dp_shard and num_experts)"),
+    "--etp": (
+        "parallel.etp",
+        int,
+        "expert tensor parallel degree (only 1: experts are not tensor-parallel yet)",
+    ),
+    # --- MoE model shape and routing scenario ---
+    "--num-experts": ("model.num_experts", int, "MoE: routed experts per layer"),
+    "--top-k": ("model.top_k", int, "MoE: experts per token"),
+    "--moe-ffn-dim": ("model.moe_ffn_dim", int, "MoE: hidden size of each expert"),
+    "--num-shared-experts": ("model.num_shared_experts", int, "MoE: always-on shared experts"),
+    "--n-dense-layers": ("model.n_dense_layers", int, "MoE: leading layers with a dense FFN"),
+    "--routing": ("values.routing", str, "MoE tokens per expert: balanced|hotspot|explicit"),
+    "--hot-expert": ("values.hot_expert", int, "hotspot routing: the hot expert's index"),
+    "--skew": ("values.skew", float, "hotspot routing: hot expert load as a multiple of the balanced load"),
+    "--routing-counts": (
+        "values.counts",
+        _int_list,
+        "explicit routing: tokens per expert of one micro batch, comma-separated",
+    ),
     "--reshard-after-forward": ("parallel.reshard_after_forward", _BOOL, "FSDP2 reshard after forward"),
     "--sequence-parallel": ("parallel.sequence_parallel", _BOOL, "sequence parallel with tp > 1"),
     "--loss-parallel": ("parallel.loss_parallel", _BOOL, "loss parallel with tp > 1"),

@@ -1,0 +1,309 @@
+"""A built-in mixture-of-experts decoder (torchtitan's ``models/moe`` and ``deepseek_v3`` as the pattern).
+
+Plain torch, no parallel code: a top-k token-choice router, optional shared experts, and routed experts run as one
+grouped GEMM (``torch._grouped_mm``, which has fake/meta kernels in torch 2.13). Expert parallelism is applied from
+outside by :mod:`hyperdryrun.parallel.expert`, which hooks the inputs and outputs of :class:`GroupedExperts`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyperdryrun.models.llama import FeedForward, RMSNorm, apply_rope, rope_cache
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """Shapes of an MoE decoder. ``ffn_dim`` is the dense FFN of the first ``n_dense_layers`` layers; every other
+    layer has ``num_experts`` routed experts of hidden size ``moe_ffn_dim`` (``top_k`` per token) plus
+    ``num_shared_experts`` always-on experts of the same size."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    num_experts: int
+    top_k: int
+    moe_ffn_dim: int
+    num_shared_experts: int = 0
+    n_dense_layers: int = 0
+    head_dim_override: int | None = None
+    """Attention head size when it is not dim // n_heads (Qwen3)."""
+    qk_norm: bool = False
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    route_norm: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_override or self.dim // self.n_heads
+
+    def attention_params(self) -> int:
+        """Attention parameters of one layer, from the shapes."""
+        d, h = self.dim, self.n_heads
+        if self.attention == "mla":
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk
+            kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+            kv += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + h * self.v_head_dim * d
+        hd = self.head_dim
+        return 2 * d * h * hd + 2 * d * self.n_kv_heads * hd + (2 * hd if self.qk_norm else 0)
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count from the shapes alone; ``active``: those one token uses (top_k routed experts)."""
+        d = self.dim
+        expert = 3 * d * self.moe_ffn_dim
+        routed = self.top_k if active else self.num_experts
+        moe_layer = (routed + self.num_shared_experts) * expert + d * self.num_experts
+        n_moe = self.n_layers - self.n_dense_layers
+        per_layer_common = self.attention_params() + 2 * d
+        body = (
+            self.n_layers * per_layer_common + self.n_dense_layers * 3 * d * self.ffn_dim + n_moe * moe_layer
+        )
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return body + d + self.vocab_size * d + head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def replace(self, **changes) -> MoEArgs:
+        return replace(self, **changes)
+
+
+# Published shapes: Mixtral-8x7B (mistralai config.json), Qwen3-30B-A3B (Qwen config.json), DeepSeek-V3 (config.json,
+# MTP module excluded); the small ones exist for tests.
+PRESETS: dict[str, MoEArgs] = {
+    "mixtral-8x7b": MoEArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
+        num_experts=8, top_k=2, moe_ffn_dim=14336, rope_theta=1e6, route_norm=True,
+    ),
+    "qwen3-30b-a3b": MoEArgs(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144, vocab_size=151936,
+        num_experts=128, top_k=8, moe_ffn_dim=768, head_dim_override=128, qk_norm=True,
+        rope_theta=1e6, norm_eps=1e-6, route_norm=True,
+    ),
+    "deepseek-v3": MoEArgs(
+        dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_dim=18432, vocab_size=129280,
+        num_experts=256, top_k=8, moe_ffn_dim=2048, num_shared_experts=1, n_dense_layers=3,
+        attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, score_func="sigmoid", route_norm=True, norm_eps=1e-6,
+    ),
+    "moe-debug": MoEArgs(
+        dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=512,
+        num_experts=8, top_k=2, moe_ffn_dim=64, num_shared_experts=1, n_dense_layers=1,
+    ),
+    "moe-tiny": MoEArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256,
+        num_experts=4, top_k=2, moe_ffn_dim=32,
+    ),
+}  # fmt: skip
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with an explicit head size and optional per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        hd = self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.n_kv_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        self.q_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        q = self.wq(x).view(bs, seq, -1, self.head_dim)
+        k = self.wk(x).view(bs, seq, -1, self.head_dim)
+        v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seq, -1))
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V3 multi-head latent attention projections (low-rank q and compressed kv, decoupled RoPE part).
+
+    The projections have MLA's exact shapes; the attention core is SDPA on q/k of ``nope + rope`` and v of
+    ``v_head_dim`` per head, as torchtitan's deepseek_v3 runs it in training (no latent-cache absorption)."""
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        h = self.n_heads = args.n_heads
+        self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_rank = args.kv_lora_rank
+        self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, h * (self.nope + self.rope_dim), bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(h * self.v_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(bs, seq, -1, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_pe, rope)], dim=-1)
+        kv, k_pe = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        k_pe = apply_rope(k_pe.unsqueeze(2), rope)
+        kv = self.wkv_b(self.kv_norm(kv)).view(bs, seq, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seq, -1))
+
+
+class TokenChoiceRouter(nn.Module):
+    """Top-k token-choice router: scores (softmax or sigmoid), top-k experts per token, tokens per expert."""
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = args.num_experts, args.top_k
+        self.score_func, self.route_norm = args.score_func, args.route_norm
+        self.gate = nn.Linear(args.dim, args.num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = self.gate(x).float()
+        scores = torch.sigmoid(scores) if self.score_func == "sigmoid" else F.softmax(scores, dim=-1)
+        top_scores, selected = torch.topk(scores, k=self.top_k, dim=-1)
+        if self.route_norm:
+            top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
+        # An int64 count per expert: a fixed shape (bincount's would depend on the values), exact at any token count,
+        # and not cast to bf16 by FSDP2's mixed precision as torchtitan's float histc is.
+        flat = selected.view(-1)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        counts = counts.scatter_add(0, flat, torch.ones_like(flat))
+        return top_scores, selected, counts
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts stored as 3-D weights and run as grouped GEMMs over expert-sorted tokens.
+
+    ``forward(x, num_tokens_per_expert)``: ``x`` holds the tokens of expert 0, then expert 1, ... Expert parallel
+    wraps this module (token dispatch before, combine after) and shards the expert dimension of the weights."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        # torch._grouped_mm runs in bf16 (CUDA's kernel), as torchtitan's _run_experts_grouped_mm casts.
+        xb = x.bfloat16()
+        h = F.silu(torch._grouped_mm(xb, w1.bfloat16().transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(xb, w3.bfloat16().transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts): tokens are sorted by expert, scaled by their router score,
+    run through the grouped experts and summed back per token (torchtitan's MoE with score-before-experts)."""
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        self.top_k = args.top_k
+        self.router = TokenChoiceRouter(args)
+        self.experts = GroupedExperts(args.dim, args.moe_ffn_dim, args.num_experts)
+        shared = args.num_shared_experts * args.moe_ffn_dim
+        self.shared_experts = FeedForward(args.dim, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seq, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, selected, counts = self.router(x)
+        order = torch.argsort(selected.view(-1), stable=True)
+        scores_sorted = top_scores.view(-1)[order]
+        token_ids = order // self.top_k
+        routed = (x[token_ids].float() * scores_sorted.unsqueeze(-1)).to(x.dtype)
+        routed = self.experts(routed, counts)
+        out = torch.zeros_like(x).scatter_add(0, token_ids.unsqueeze(-1).expand(-1, dim), routed)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(bs, seq, dim)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, args: MoEArgs, layer: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = MLAttention(args) if args.attention == "mla" else Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        dense = layer < args.n_dense_layers
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim) if dense else None
+        self.moe = None if dense else MoE(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class MoETransformer(nn.Module):
+    """Decoder-only MoE LM: tokens (bs, seq) -> logits (bs, seq, vocab); same stage interface as the Llama model."""
+
+    def __init__(self, args: MoEArgs, max_seq_len: int) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        rope_dim = args.qk_rope_head_dim if args.attention == "mla" else args.head_dim
+        self.register_buffer(
+            "rope_cache", rope_cache(rope_dim, max_seq_len, args.rope_theta), persistent=False
+        )
+        self.layers = nn.ModuleDict({str(i): MoEBlock(args, i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cache)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def keep_stage(self, layers: range, embedding: bool, head: bool) -> None:
+        """Reduce the model to one pipeline stage (as :meth:`Transformer.keep_stage`)."""
+        for key in [k for k in self.layers if int(k) not in layers]:
+            del self.layers[key]
+        if not embedding:
+            self.tok_embeddings = None
+        if not head:
+            self.norm = None
+            self.output = None
+
+    def init_weights(self) -> None:
+        """Real initialisation (used only by real execution; a dry run needs no values)."""
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=1.0 / math.sqrt(self.args.dim))

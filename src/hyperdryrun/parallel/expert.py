@@ -1,0 +1,173 @@
+"""Expert parallel for the built-in MoE model, torch-native and torchtitan's way (``ExpertParallel``).
+
+The ``ep`` ranks split the ``dp_shard`` dimension: the mesh's ``dp_shard`` is unflattened into
+``(dp_shard_mod_ep, ep)``. Routed expert weights are DTensors sharded on the expert dimension over ``ep``; FSDP2
+shards them further over ``dp_shard_mod_ep`` (and ``dp_replicate``) while every other parameter is sharded over
+``dp_shard`` as without EP. Tokens reach their experts by all-to-all (``all_to_all_single_autograd``): the split
+sizes depend on the router's decisions, which fake tensors do not have, so they come from the routing rule of
+:mod:`hyperdryrun.world.values` (``moe.token_counts``), assuming every EP rank routes its tokens alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyperdryrun.config import JobConfig
+from hyperdryrun.parallel import DTYPES, apply_ac, fsdp_enabled
+from hyperdryrun.world.values import ValueRuleError, active_rules
+
+
+def expert_meshes(mesh: Any, cfg: JobConfig) -> tuple[Any, Any]:
+    """(ep mesh, mesh that FSDP2 shards the experts over) from the world mesh; built outside fake mode."""
+    p = cfg.parallel
+    full = mesh._unflatten("dp_shard", (p.dp_shard // p.ep, p.ep), ("dp_shard_mod_ep", "ep"))
+    efsdp = full["dp_replicate", "dp_shard_mod_ep"] if p.dp_replicate > 1 else full["dp_shard_mod_ep"]
+    return full["ep"], efsdp
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+class ExpertParallel:
+    """Shard a :class:`GroupedExperts` on the expert dimension over ``ep`` and wrap its forward with all-to-all
+    token dispatch and combine (torchtitan's ``ExpertParallel`` through ``distribute_module``)."""
+
+    def __init__(self, fqn: str, top_k: int) -> None:
+        self.fqn, self.top_k = fqn, top_k
+        self.input_splits: list[int] = []
+        self.output_splits: list[int] = []
+        self.inverse: torch.Tensor | None = None
+
+    def apply(self, experts: nn.Module, ep_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(
+            experts,
+            ep_mesh,
+            partition_fn=self._partition,
+            input_fn=self._dispatch,
+            output_fn=self._combine,
+        )
+
+    @staticmethod
+    def _partition(name: str, module: nn.Module, mesh: Any) -> None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+    def _splits(
+        self, counts: torch.Tensor, counts_group: torch.Tensor, tokens: int, ep: int, me: int
+    ) -> list[list[int]]:
+        """Tokens per (source rank, local expert) that this rank receives; sets the all-to-all split sizes."""
+        num_experts = counts.shape[0]
+        local = num_experts // ep
+        if not _is_fake(counts):
+            mine = counts.long().tolist()
+            received = counts_group.long().view(ep, local).tolist()
+        else:
+            rules = active_rules()
+            if rules is None:
+                raise ValueRuleError(
+                    f"expert-parallel dispatch in module {self.fqn!r} needs tokens per expert, but no value rules "
+                    "are active (run inside hyperdryrun.world.values.use_rules)"
+                )
+            mine = rules.token_counts(self.fqn, tokens, num_experts, self.top_k)
+            received = [mine[me * local : (me + 1) * local] for _ in range(ep)]
+        self.input_splits = [sum(mine[r * local : (r + 1) * local]) for r in range(ep)]
+        self.output_splits = [sum(row) for row in received]
+        return received
+
+    def _dispatch(self, module: nn.Module, inputs: tuple, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+        routed_input, counts = inputs
+        ep, me, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+        counts_group = all_to_all_single(counts, None, None, group)
+        received = self._splits(counts, counts_group, routed_input.shape[0] // self.top_k, ep, me)
+        routed_input = all_to_all_single_autograd(routed_input, self.output_splits, self.input_splits, group)
+        # Received rows are ordered (source rank, local expert); the grouped GEMM wants expert-major order.
+        local = len(received[0])
+        starts, pos = [], 0
+        for row in received:
+            starts.append([])
+            for n in row:
+                starts[-1].append(pos)
+                pos += n
+        order = [
+            starts[src][e] + i for e in range(local) for src in range(ep) for i in range(received[src][e])
+        ]
+        perm = torch.tensor(order, dtype=torch.long, device=routed_input.device)
+        inverse = [0] * len(order)
+        for new, old in enumerate(order):
+            inverse[old] = new
+        self.inverse = torch.tensor(inverse, dtype=torch.long, device=routed_input.device)
+        tokens_per_local_expert = counts_group.view(ep, local).sum(dim=0)
+        return routed_input[perm], tokens_per_local_expert
+
+    def _combine(self, module: nn.Module, routed_output: torch.Tensor, mesh: Any) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        unpermuted = routed_output[self.inverse]
+        self.inverse = None
+        return all_to_all_single_autograd(unpermuted, self.input_splits, self.output_splits, mesh.get_group())
+
+
+def apply_ep(model: nn.Module, ep_mesh: Any, top_k: int) -> None:
+    """Expert parallel on every MoE layer's routed experts."""
+    for name, block in model.layers.items():
+        if getattr(block, "moe", None) is not None:
+            ExpertParallel(f"layers.{name}.moe.experts", top_k).apply(block.moe.experts, ep_mesh)
+
+
+def apply_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig) -> None:
+    """FSDP2 as :func:`hyperdryrun.parallel.apply_fsdp`, with the routed experts wrapped first over
+    ``expert_mesh`` when EP is on (torchtitan: experts over ``dp_shard_mod_ep``, the rest over ``dp_shard``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    t = cfg.training
+    mp = MixedPrecisionPolicy(
+        param_dtype=DTYPES[t.param_dtype] if t.param_dtype else None,
+        reduce_dtype=DTYPES[t.reduce_dtype] if t.reduce_dtype else None,
+    )
+    reshard = cfg.parallel.reshard_after_forward
+    n = len(model.layers)
+    for i, block in enumerate(model.layers.values()):
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        keep = reshard and i < n - 1
+        if expert_mesh is not None and getattr(inner, "moe", None) is not None:
+            experts = inner.moe.experts
+            placement = None
+            if expert_mesh.size() * cfg.parallel.ep > experts.num_experts:
+                # torchtitan: fewer local experts than FSDP ranks, so shard the hidden dim rather than pad experts.
+                placement = lambda _param: Shard(1)  # noqa: E731
+            fully_shard(
+                experts,
+                mesh=expert_mesh,
+                mp_policy=mp,
+                reshard_after_forward=keep,
+                shard_placement_fn=placement,
+            )
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=keep)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
+def parallelize_moe(model: nn.Module, mesh: Any, cfg: JobConfig) -> nn.Module:
+    """EP, then AC, then FSDP2/HSDP (torchtitan's order for MoE models), all torch-native, from outside the model."""
+    p = cfg.parallel
+    expert_mesh = None
+    if p.ep > 1:
+        ep_mesh, expert_mesh = expert_meshes(mesh, cfg)
+        apply_ep(model, ep_mesh, cfg.model.args().top_k)
+    apply_ac(model, cfg.training.ac, cfg.training.ac_selective)
+    if fsdp_enabled(cfg):
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1 else mesh["dp_shard"]
+        apply_moe_fsdp(model, dp_mesh, expert_mesh, cfg)
+    return model
