@@ -144,7 +144,7 @@ BAD_INPUTS = {
         None,
         ["parallel.pp_schedule (--pp-schedule)", "(got '2F2B')"],
     ),
-    "ep-unsupported": (["--ep", "2"], {}, None, ["parallel.ep=2", "not supported yet"]),
+    "ep-on-dense-model": (["--ep", "2"], {}, None, ["parallel.ep=2", "needs an MoE model"]),
     "unknown-model": (["--model", "nope"], {}, None, ["model.name (--model)", "'nope'", "llama-tiny"]),
     "ac-bogus": (["--ac", "bogus"], {}, None, ["training.ac (--ac)", "(got 'bogus')"]),
     "ac-selective-too-large": (
