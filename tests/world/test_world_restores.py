@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -27,6 +28,7 @@ def snapshot() -> dict:
         "dropout": F.dropout,
         "resize_": torch.UntypedStorage.resize_,
         "sharding_prop": ShardingPropagator.__dict__["_propagate_tensor_meta_non_cached"],
+        "fsdp_accumulated_grad": FSDPParam.__dict__["to_accumulated_grad_if_needed"],
         "dtype": torch.get_default_dtype(),
         "device": torch.get_default_device(),
         "grad": torch.is_grad_enabled(),

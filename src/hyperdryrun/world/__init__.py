@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hyperdryrun.trace.blocks import ALIGNMENT
 from hyperdryrun.trace.tracker import MemoryTracker, TrackingFakeTensorMode
 from hyperdryrun.world.dtensor import untracked_sharding_propagation
+from hyperdryrun.world.fsdp import gradient_accumulation_buffers
 from hyperdryrun.world.kernels import TargetFakeTensorMode, needs_target_kernels, target_kernel_patches
 from hyperdryrun.world.patches import PatchSet
 
@@ -102,6 +103,7 @@ class SimulatedWorld:
             self.mesh = init_device_mesh(self.device, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
             stack.enter_context(PatchSet(target_kernel_patches(self.target_device, self.device)))
             stack.enter_context(PatchSet(untracked_sharding_propagation(lambda: self.tracker)))
+            stack.enter_context(PatchSet(gradient_accumulation_buffers(lambda: self.tracker)))
             mode = TrackingFakeTensorMode
             if self.device != "cuda" and needs_target_kernels(self.target_device, self.device):
                 mode = TargetFakeTensorMode

@@ -1,0 +1,35 @@
+"""FSDP2 behaviour the tracker cannot see through its hooks, and the patches that show it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hyperdryrun.trace.blocks import Category
+from hyperdryrun.world.patches import Patch
+
+
+def gradient_accumulation_buffers(tracker_of: Callable[[], Any]) -> list[Patch]:
+    """While gradient sync is off (``set_requires_gradient_sync(False)``, which torch's pipeline stages do until the
+    last micro batch), torch 2.13 FSDP2 keeps each parameter's unsharded gradient as
+    ``FSDPParam.unsharded_accumulated_grad``, cast to ``reduce_dtype`` in ``to_accumulated_grad_if_needed``. No
+    gradient hook fires for that copy, so without this it would be categorised as a backward temporary."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    orig = FSDPParam.to_accumulated_grad_if_needed
+
+    def to_accumulated_grad_if_needed(self: Any) -> None:
+        orig(self)
+        tracker = tracker_of()
+        grad = self.unsharded_accumulated_grad
+        if tracker is not None and tracker.active and grad is not None:
+            tracker.mark(grad, Category.GRADIENT)
+
+    return [
+        Patch(
+            FSDPParam,
+            "to_accumulated_grad_if_needed",
+            to_accumulated_grad_if_needed,
+            "torch 2.13 FSDP2 accumulates unsharded gradients in a reduce_dtype copy that no gradient hook sees",
+        )
+    ]
