@@ -23,7 +23,7 @@ _TORCH = _dir(torch.__file__)
 _LAUNCHERS = os.path.join(sys.prefix, "bin") + os.sep  # console-script entry points
 _SITE = tuple(sorted({p + os.sep for p in sys.path if p.endswith(("site-packages", "dist-packages"))}))
 _STDLIB = _dir(os.__file__)
-_HARNESS = tuple(os.sep + name + os.sep for name in ("_pytest", "pluggy"))
+_HARNESS = tuple(os.sep + name + os.sep for name in ("_pytest", "pytest", "pluggy"))
 
 
 def user_frame(filename: str) -> bool:
