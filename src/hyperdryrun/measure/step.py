@@ -40,8 +40,9 @@ FAKE_PG_LIMITATION = (
     "but move no data, and the other ranks were not run"
 )
 CP_UNSUPPORTED = (
-    "cp={cp}: context parallel cannot be measured on the CPU (torch 2.13's ring attention has no CPU SDPA kernel: "
-    "it dispatches only the CUDA flash/efficient/cuDNN attention ops); measure with cp=1 or dry-run it"
+    "cp={cp}: context parallel cannot be measured on the CPU: torch 2.13's ring attention has no handler for the CPU "
+    "SDPA kernel (_scaled_dot_product_flash_attention_for_cpu), only for the CUDA flash, efficient and cuDNN ops; "
+    "measure with cp=1, or dry-run it"
 )
 
 
