@@ -220,3 +220,8 @@ def test_pipeline_rank_seeds_its_receive_buffers_and_restores_the_schedule_patch
     assert c.model.args().dim == 64
     assert sorted(b.size for b in held) == [32 * 64 * F32] * 2
     assert trace.metadata["pipeline"]["stage_indices"] == [rank]
+    # The schedule's chunks label their blocks by micro batch; the batch (2 x 2 randint of 32 int64 tokens) and
+    # its concatenation (tokens, labels: 2 x 64 int64) are input data, "Other", as in the dry run.
+    step = [b for b in trace.blocks if b.phase is not Phase.INITIALIZATION]
+    assert {b.micro_batch for b in step if b.phase is Phase.BACKWARD} == {0, 1}
+    assert sum(b.size for b in step if b.category is Category.OTHER) == 4 * 32 * 8 + 2 * 64 * 8
