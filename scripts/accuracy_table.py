@@ -92,20 +92,20 @@ Module input/output bytes and call counts are not measured (0 in measured report
   may-alias ops such as `to` that reach the fake mode undecomposed (merge of `cp`); the likely reason, not
   traced further here.
 - Every row, the pipeline rows included: 0 B on the step peak.
-- `w4 pp=4 1F1B one layer per stage 4 micro batches, rank 0`: step and backward/optimizer peaks agree
-  exactly; the forward *phase* peak does not (dry 1,497,856 B, measured 1,474,304 B, 1.57%), and the suite asserts that this gap is
-  still there (`KNOWN_PHASE_GAPS` in `measure/accuracy.py`). Cause, in the dry run: after micro batch 0's backward
-  chunk, the schedule posts the `recv_` of micro batch 1's output gradient outside autograd. That op allocates
-  nothing (it fills the kept receive buffer), but the tracker makes a task of every op that uses a live block and
-  labels it by `Tracker.phase()`, which says `forward` outside autograd and the optimizer. Live bytes there are the
-  backward chunk's state just after its last frees, so the dry run's forward peak is a backward moment. The
-  profiler's tasks are allocations only, so the measured side has no task at that instant. Over the dry run's
-  allocating tasks its forward peak is 1,474,304 B, the measured figure exactly (and on every other row the
-  two definitions give the same phase peaks). Fix (in `trace/tracker.py` and
-  `report/build.py`, not this suite's files): take a phase's peak only at tasks that open a block (the live bytes
-  right after one of the phase's allocations, where a peak can occur), i.e. `_end_task` updates `phase_peak` only
-  when the task allocated, and `report.build.phases` takes its maximum over tasks where a block starts.
-  Labelling the schedule's p2p ops with the phase of the chunk they serve would fix it as well.
+- `w4 pp=4 1F1B one layer per stage 4 micro batches, rank 0`: step and backward/optimizer peaks agree exactly; the
+  forward *phase* peak does not (dry 1,497,856 B, measured 1,474,304 B, 1.57%), and the suite asserts that this gap
+  is still there (`KNOWN_PHASE_GAPS` in `measure/accuracy.py`). Cause, in the dry run: after micro batch 0's
+  backward chunk, the schedule posts the `recv_` of micro batch 1's output gradient outside autograd. That op
+  allocates nothing (it fills the kept receive buffer), but the tracker makes a task of every op that uses a live
+  block and labels it by `Tracker.phase()`, which says `forward` outside autograd and the optimizer. Live bytes
+  there are the backward chunk's state just after its last frees, so the dry run's forward peak is a backward
+  moment. The profiler's tasks are allocations only, so the measured side has no task at that instant. Over the dry
+  run's allocating tasks its forward peak is 1,474,304 B, the measured figure exactly (and on every other row the
+  two definitions give the same phase peaks). Fix (in `trace/tracker.py` and `report/build.py`, not this suite's
+  files): take a phase's peak only at tasks that open a block (the live bytes right after one of the phase's
+  allocations, where a peak can occur), i.e. `_end_task` updates `phase_peak` only when the task allocated, and
+  `report.build.phases` takes its maximum over tasks where a block starts. Labelling the schedule's p2p ops with the
+  phase of the chunk they serve would fix it as well.
 - Context parallel cannot be measured on the CPU: torch 2.13's ring attention
   (`distributed/tensor/experimental/_context_parallel/_attention.py`) handles only
   `aten._scaled_dot_product_{flash,efficient,cudnn}_attention` (CUDA kernels), not the CPU kernel
