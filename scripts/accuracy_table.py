@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hyperdryrun.measure.accuracy import BASE, MATRIX, compare_job, merge
+from hyperdryrun.measure.accuracy import BASE, MATRIX, PIPELINE_MATRIX, compare_job, merge
 from hyperdryrun.report.writer import atomic_write
 
 HEADER = """# Accuracy: dry run vs. real execution
@@ -30,6 +30,29 @@ of everything.
 | config | dry-run peak (B) | measured peak without kernel scratch (B) | diff (B) | diff % | worst phase-peak diff % | measured peak with scratch, minus without (B) |
 |---|---:|---:|---:|---:|---:|---:|
 """
+
+COLUMNS = """| config | dry-run peak (B) | measured peak without kernel scratch (B) | diff (B) | diff % | worst phase-peak diff % | measured peak with scratch, minus without (B) |
+|---|---:|---:|---:|---:|---:|---:|
+"""
+
+PIPELINE = (
+    """
+## Pipeline parallel
+
+Each row runs one rank's own stage(s) under `torch.distributed.pipelining` with the named schedule, as the dry run
+does: both sides build the stage with static input/output shapes, send and receive on the fake process group
+complete at once (real tensors on the measured side, values irrelevant), and the schedule's warm-up metadata vote
+is patched to its known outcome (`parallel/pipeline.py`, `static_vote_patch`). The measured step follows a real
+warm-up step; the p2p receive buffers that `PipelineStage` allocates at the first step and keeps (one per micro
+batch, activations on a stage that receives inputs, gradients on a stage that receives output gradients) are alive
+when profiling starts and are seeded as `Other`, as parameters are. `llama-tiny` with the layer count named,
+seq_len 64, 4 micro batches of one sequence. "one layer per stage": `pp_stage_layers: [1, 1, 1, 1]`, so stages 0-2
+differ only by the embedding on stage 0 and by the micro batches 1F1B keeps in flight (4, 3, 2): their peaks fall in
+that order on both sides; stage 3 also holds norm, head and loss.
+
+"""
+    + COLUMNS
+)
 
 FOOTER = """
 ## What each side counts
@@ -64,12 +87,41 @@ with the same autograd sequence number), so outer modules' backward peaks are no
 Module input/output bytes and call counts are not measured (0 in measured reports).
 
 **Residual differences.**
-- TP rows, +4 B: torch's loss-parallel `_nll_loss_forward` computes
-  `total_weight = (target != ignore_index).sum().to(x)` and autograd keeps it for the backward. The real run
-  allocates that fp32 scalar (`_to_copy`, 4 B, alive from the loss to the backward peak); in the dry run the int64
-  `sum` is tracked but no block appears for its `.to(x)` copy. Why the tracker misses that one copy has not been
-  traced yet; it is a dry-run gap of 4 bytes, not a measurement artefact.
-- Every other row: 0 B.
+- TP rows: the former +4 B (loss parallel's `total_weight = (...).sum().to(x)`, an fp32 scalar autograd keeps
+  for the backward, that the dry run did not record) is 0 B on current main, whose tracker now records composite
+  may-alias ops such as `to` that reach the fake mode undecomposed (merge of `cp`); the likely reason, not
+  traced further here.
+- Every row, the pipeline rows included: 0 B on the step peak.
+- `w4 pp=4 1F1B one layer per stage 4 micro batches, rank 0`: step and backward/optimizer peaks agree exactly; the
+  forward *phase* peak does not (dry 1,497,856 B, measured 1,474,304 B, 1.57%), and the suite asserts that this gap
+  is still there (`KNOWN_PHASE_GAPS` in `measure/accuracy.py`). Cause, in the dry run: after micro batch 0's
+  backward chunk, the schedule posts the `recv_` of micro batch 1's output gradient outside autograd. That op
+  allocates nothing (it fills the kept receive buffer), but the tracker makes a task of every op that uses a live
+  block and labels it by `Tracker.phase()`, which says `forward` outside autograd and the optimizer. Live bytes
+  there are the backward chunk's state just after its last frees, so the dry run's forward peak is a backward
+  moment. The profiler's tasks are allocations only, so the measured side has no task at that instant. Over the dry
+  run's allocating tasks its forward peak is 1,474,304 B, the measured figure exactly (and on every other row the
+  two definitions give the same phase peaks). Fix (in `trace/tracker.py` and `report/build.py`, not this suite's
+  files): take a phase's peak only at tasks that open a block (the live bytes right after one of the phase's
+  allocations, where a peak can occur), i.e. `_end_task` updates `phase_peak` only when the task allocated, and
+  `report.build.phases` takes its maximum over tasks where a block starts. Labelling the schedule's p2p ops with the
+  phase of the chunk they serve would fix it as well.
+- Zero-bubble schedules are not in the table: `measure` runs them, but the dry run over-counts. `llama-tiny` 6
+  layers, pp=2 rank 0, 4 micro batches, fp32: ZBVZeroBubble dry 3,976,212 B vs measured 3,546,388 B (+12.1%),
+  DualPipeV 3,647,500 vs 3,416,332 (+6.8%), InterleavedZeroBubble 5,014,528 vs 4,385,792 (+14.3%); in the dry run
+  every micro batch's activations (about 182 KB each) and some gradient temporaries stay alive into the optimizer
+  step. Cause, in the dry run: the tracker's `ModTracker` registers an `all`-mode `register_multi_grad_hook` on
+  every module's inputs (`mod_tracker._fw_pre_hook`); with the backward split into input and weight parts those
+  hooks never complete and keep the graph alive. With those hooks disabled (an experiment, not a change), the dry
+  run's step and optimizer peaks equal the measured ones exactly on all three schedules, and with the phase-peak fix
+  above the forward peaks too. The measured side prints torch's warning that one block freed in the step was
+  allocated before profiling (a storage kept from the warm-up step that the resident set does not name); it did not
+  change these figures, since the two sides then agree to the byte.
+- Context parallel cannot be measured on the CPU: torch 2.13's ring attention
+  (`distributed/tensor/experimental/_context_parallel/_attention.py`) handles only
+  `aten._scaled_dot_product_{flash,efficient,cudnn}_attention` (CUDA kernels), not the CPU kernel
+  `_scaled_dot_product_flash_attention_for_cpu`, so `hyperdryrun measure` with `cp > 1` stops with a one-line
+  error; CP is covered by the dry run's own tests only.
 
 **What this suite found in the dry run** (fixed on branch `ground`, see its commits):
 - DTensor's sharding propagation runs each new op once at *global* shape on fake tensors under
@@ -91,16 +143,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/ACCURACY.md")
     args = parser.parse_args()
-    lines = []
-    for name, over in MATRIX:
-        r = compare_job(name, merge(BASE, over))
-        lines.append(
-            f"| {name} | {r.dry_peak:,} | {r.measured_peak_without_scratch:,} | {r.diff:+,} | {r.rel:+.3%} "
-            f"| {r.worst_phase_rel:.3%} | {r.scratch:,} |"
-        )
-        print(lines[-1], flush=True)
+    tables = []
+    for rows in (MATRIX, PIPELINE_MATRIX):
+        lines = []
+        for name, over in rows:
+            r = compare_job(name, merge(BASE, over))
+            lines.append(
+                f"| {name} | {r.dry_peak:,} | {r.measured_peak_without_scratch:,} | {r.diff:+,} | {r.rel:+.3%} "
+                f"| {r.worst_phase_rel:.3%} | {r.scratch:,} |"
+            )
+            print(lines[-1], flush=True)
+        tables.append("\n".join(lines) + "\n")
     header = HEADER.format(torch=torch.__version__, machine=f"{platform.machine()} CPU")
-    atomic_write(Path(args.out), header + "\n".join(lines) + "\n" + FOOTER)
+    atomic_write(Path(args.out), header + tables[0] + PIPELINE + tables[1] + FOOTER)
     print(f"wrote {args.out}")
     return 0
 

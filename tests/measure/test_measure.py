@@ -16,7 +16,7 @@ from hyperdryrun.commands.measure import register
 from hyperdryrun.config import build_config
 from hyperdryrun.engine import SimulationError, micro_batch_step
 from hyperdryrun.measure import measure, measure_job
-from hyperdryrun.measure.step import FAKE_PG_LIMITATION
+from hyperdryrun.measure.step import FAKE_PG_LIMITATION, MeasureError
 from hyperdryrun.recipe import batch_fn, llama_loss, model_fn
 from hyperdryrun.report import CSV_COLUMNS, blocks_csv, build_report
 from hyperdryrun.report.writer import to_json
@@ -165,6 +165,10 @@ def test_cli_writes_the_report_pair_in_the_run_schema(tmp_path, capsys):
         (["--seq-len", "0"], "training.seq_len (--seq-len)"),
         (["--world-size", "3", "--tp", "2"], "world.world_size=3"),
         (["--dtype", "fp8"], "training.dtype (--dtype)"),
+        (
+            ["--world-size", "2", "--cp", "2", "--seq-len", "32"],
+            "cp=2: context parallel cannot be measured on the CPU",
+        ),
     ],
 )
 def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, needle):
@@ -174,3 +178,50 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, ne
     assert err.startswith("hyperdryrun: error: ") and err.count("\n") == 1 and "Traceback" not in err
     assert needle in err
     assert not out_dir.exists()
+
+
+def test_context_parallel_is_refused_before_anything_runs():
+    c = build_config(
+        {
+            "model": {"name": "llama-tiny"},
+            "training": {"seq_len": 32},
+            "world": {"world_size": 2},
+            "parallel": {"cp": 2},
+        }
+    )
+    before = global_state()
+    with pytest.raises(MeasureError, match="no handler for the CPU SDPA kernel"):
+        measure_job(c, capture_stacks=False)
+    assert global_state() == before
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_pipeline_rank_seeds_its_receive_buffers_and_restores_the_schedule_patch(rank):
+    """pp=2, 1F1B, 2 micro batches of 1 x 32 tokens, fp32, dim 64: stage 1 keeps one activation receive buffer per
+    micro batch, stage 0 one gradient receive buffer per micro batch: 2 x 32 x 64 x 4 B either way."""
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    from hyperdryrun.trace.blocks import Category, Phase
+
+    c = build_config(
+        {
+            "model": {"name": "llama-tiny"},
+            "training": {"seq_len": 32, "param_dtype": "fp32", "num_micro_batches": 2},
+            "world": {"world_size": 2, "rank": rank},
+            "parallel": {"pp": 2, "pp_schedule": "1F1B"},
+            "target_device": "cpu",
+        }
+    )
+    warmup = _PipelineSchedule._warmup_p2p
+    before = global_state()
+    trace = measure_job(c, capture_stacks=False)
+    assert global_state() == before and _PipelineSchedule._warmup_p2p is warmup
+    held = [b for b in trace.blocks if b.phase is Phase.INITIALIZATION and b.category is Category.OTHER]
+    assert c.model.args().dim == 64
+    assert sorted(b.size for b in held) == [32 * 64 * F32] * 2
+    assert trace.metadata["pipeline"]["stage_indices"] == [rank]
+    # The schedule's chunks label their blocks by micro batch; the batch (2 x 2 randint of 32 int64 tokens) and
+    # its concatenation (tokens, labels: 2 x 64 int64) are input data, "Other", as in the dry run.
+    step = [b for b in trace.blocks if b.phase is not Phase.INITIALIZATION]
+    assert {b.micro_batch for b in step if b.phase is Phase.BACKWARD} == {0, 1}
+    assert sum(b.size for b in step if b.category is Category.OTHER) == 4 * 32 * 8 + 2 * 64 * 8

@@ -12,6 +12,15 @@ from hyperdryrun.trace.blocks import STEP_PHASES
 BASE: dict[str, Any] = {"model": {"name": "llama-tiny"}, "training": {"seq_len": 64}, "target_device": "cpu"}
 """Every row: the small preset on CPU semantics (both sides allocate exact bytes)."""
 
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Nested dict update (``over`` wins), leaving both inputs untouched."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for k, v in over.items():
+        out[k] = merge(out.get(k) or {}, v) if isinstance(v, dict) else v
+    return out
+
+
 MATRIX: list[tuple[str, dict[str, Any]]] = [
     ("w1 fp32 AdamW", {"training": {"param_dtype": "fp32"}}),
     ("w1 bf16 AdamW", {"training": {"dtype": "bf16", "param_dtype": "bf16"}}),
@@ -68,13 +77,67 @@ MATRIX: list[tuple[str, dict[str, Any]]] = [
 """A covering set of the issue's matrix (worlds 1/2/4; FSDP reshard on/off, HSDP, TP+SP, FSDP+TP; bf16/fp32;
 AdamW/SGD; AC none/full/selective; 1/2 micro batches), small enough for CI on two cores."""
 
+_PP2: dict[str, Any] = {"model": {"n_layers": 4}, "training": {"num_micro_batches": 4, "param_dtype": "fp32"}}
+_PP4: dict[str, Any] = {
+    "model": {"n_layers": 4},
+    "world": {"world_size": 4},
+    "parallel": {"pp": 4, "pp_schedule": "1F1B", "pp_stage_layers": [1, 1, 1, 1]},
+    "training": {"num_micro_batches": 4},
+}
+_INTERLEAVED: dict[str, Any] = {
+    "model": {"n_layers": 6},
+    "parallel": {"pp": 2, "pp_schedule": "Interleaved1F1B"},
+    "training": {"num_micro_batches": 4, "param_dtype": "fp32"},
+}
+PIPELINE_MATRIX: list[tuple[str, dict[str, Any]]] = [
+    *(
+        (
+            f"w2 pp=2 1F1B fp32 4 layers 4 micro batches, rank {r}",
+            merge(
+                _PP2, {"world": {"world_size": 2, "rank": r}, "parallel": {"pp": 2, "pp_schedule": "1F1B"}}
+            ),
+        )
+        for r in range(2)
+    ),
+    *(
+        (f"w4 pp=4 1F1B one layer per stage 4 micro batches, rank {r}", merge(_PP4, {"world": {"rank": r}}))
+        for r in range(4)
+    ),
+    (
+        "w2 pp=2 GPipe fp32 4 layers 4 micro batches, rank 0",
+        merge(_PP2, {"world": {"world_size": 2, "rank": 0}, "parallel": {"pp": 2, "pp_schedule": "GPipe"}}),
+    ),
+    *(
+        (
+            f"w2 pp=2 Interleaved1F1B (4 stages) fp32 6 layers 4 micro batches, rank {r}",
+            merge(_INTERLEAVED, {"world": {"world_size": 2, "rank": r}}),
+        )
+        for r in range(2)
+    ),
+    (
+        "w4 pp=2 x FSDP 2 1F1B bf16 params 4 layers 4 micro batches, rank 3",
+        {
+            "model": {"n_layers": 4},
+            "world": {"world_size": 4, "rank": 3},
+            "parallel": {"pp": 2, "pp_schedule": "1F1B"},
+            "training": {"num_micro_batches": 4},
+        },
+    ),
+]
+"""Pipeline rows: every stage of 1F1B at pp=2 and pp=4 (even layers, so the per-stage peaks follow the micro
+batches in flight), GPipe, Interleaved 1F1B (both ranks, two stages each) and pipeline combined with FSDP."""
 
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """Nested dict update (``over`` wins), leaving both inputs untouched."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
-    for k, v in over.items():
-        out[k] = merge(out.get(k) or {}, v) if isinstance(v, dict) else v
-    return out
+KNOWN_PHASE_GAPS: dict[str, str] = {
+    "w4 pp=4 1F1B one layer per stage 4 micro batches, rank 0": (
+        "dry-run phase label: the schedule's recv_ of the next micro batch's gradient runs between two backward "
+        "chunks, outside autograd, so the tracker makes it a 'forward' task (it allocates nothing, it only uses "
+        "the receive buffer); live bytes there (1,497,856 B, the previous backward's leftovers just freed) "
+        "become the dry run's forward peak, while the profiler has no task at that instant (its tasks are "
+        "allocations) and its forward peak is 1,474,304 B, the dry run's own figure over allocating tasks"
+    ),
+}
+"""Rows whose step peak agrees but one phase peak does not, with the cause: the suite asserts the gap is still
+there (so a fix makes the test fail until the entry is removed)."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,6 +39,17 @@ FAKE_PG_LIMITATION = (
     "measured with real tensors for one rank and the fake process group: collectives allocate their outputs "
     "but move no data, and the other ranks were not run"
 )
+CP_UNSUPPORTED = (
+    "cp={cp}: context parallel cannot be measured on the CPU: torch 2.13's ring attention has no handler for the CPU "
+    "SDPA kernel (_scaled_dot_product_flash_attention_for_cpu), only for the CUDA flash, efficient and cuDNN ops; "
+    "measure with cp=1, or dry-run it"
+)
+
+
+class MeasureError(ValueError):
+    """The job cannot be executed for real on this machine (the message says why)."""
+
+
 KERNEL_SCRATCH_NOTE = (
     "blocks allocated and freed inside one kernel (e.g. oneDNN's bf16 GEMM scratchpad, a CPU mm's contiguous "
     "copy of an operand) are real and counted in peak_bytes; a dry run records op outputs only, so "
@@ -68,11 +79,14 @@ def measure(
     num_micro_batches: int = 1,
     capture_stacks: bool = True,
     metadata: dict[str, Any] | None = None,
+    held_fn: Callable[[], Iterable[tuple[torch.Tensor, Category, str]]] | None = None,
 ) -> StepTrace:
     """Execute one training step for real, after one untracked warm-up step, and return its measured trace.
 
     Arguments as :func:`hyperdryrun.engine.simulate`; ``init_fn(model)`` fills the materialised parameters and
-    buffers with real values (default: ``model.init_weights()`` where it exists).
+    buffers with real values (default: ``model.init_weights()`` where it exists). ``held_fn()`` names the other
+    storages that the step function keeps from one step to the next, as ``(tensor, category, module)`` (e.g. a
+    pipeline schedule's receive buffers): alive when profiling starts, they are seeded like the parameters.
     """
     if (loss_fn is None) == (step_fn is None):
         raise ValueError("give exactly one of loss_fn or step_fn")
@@ -127,7 +141,9 @@ def measure(
             timings["setup"] = time.perf_counter() - t0
             stage = "step"
             names = {id(m): clean_fqn(n) for n, m in model.named_modules()}
-            resident = resident_events(_resident_tensors(model, optimizer), device=device)
+            held = list(held_fn()) if held_fn is not None else []
+            resident = resident_events([*_resident_tensors(model, optimizer), *held], device=device)
+            del held
             t1 = time.perf_counter()
             prof = _profile_step(step_fn, model, optimizer, batches(True))
             timings["step"] = time.perf_counter() - t1
@@ -290,9 +306,15 @@ def _profile_step(step_fn: StepFn, model: nn.Module, optimizer: torch.optim.Opti
 
 def init_llama(model: nn.Module) -> None:
     """Real values for the built-in Llama: weights ~ N(0, 1/dim) (norms 1) on each rank's local shard, and the
-    RoPE cache recomputed (``to_empty`` left it uninitialised)."""
+    RoPE cache recomputed (``to_empty`` left it uninitialised). A rank's several pipeline stages
+    (:class:`~hyperdryrun.parallel.pipeline.PipelineStages`) are each initialised so."""
     from hyperdryrun.models.llama import rope_cache
+    from hyperdryrun.parallel.pipeline import PipelineStages
 
+    if isinstance(model, PipelineStages):
+        for part in model.values():
+            init_llama(part)
+        return
     args = model.args
     for name, p in model.named_parameters():
         local = local_tensor(p)
@@ -308,14 +330,24 @@ def measure_job(cfg: Any, capture_stacks: bool = True, device: str = "cpu") -> S
     """Measure the built-in recipe for the rank that ``cfg`` names (the job :func:`hyperdryrun.recipe.run_job`
     dry-runs), with real tensors on ``device``."""
     from hyperdryrun.parallel import MESH_DIMS, ParallelDims, build_optimizer, parallelize_llama
-    from hyperdryrun.recipe import batch_fn, job_metadata, llama_loss, loss_context, model_fn
+    from hyperdryrun.recipe import batch_fn, job_metadata, llama_loss, loss_context, model_fn, pipeline
 
+    if cfg.parallel.cp > 1:
+        raise MeasureError(CP_UNSUPPORTED.format(cp=cfg.parallel.cp))
     dims = ParallelDims.from_config(cfg)
+    held_fn = None
+    if cfg.parallel.pp > 1:
+        pipe = pipeline(cfg)
+        step_fn, parallelize_fn = pipe.step, pipe.parallelize
+        held_fn = lambda: pipeline_held_buffers(pipe.schedule)  # noqa: E731
+    else:
+        step_fn = micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg))
+        parallelize_fn = lambda model, mesh: parallelize_llama(model, mesh, cfg)  # noqa: E731
     return measure(
         model_fn(cfg),
         batch_fn(cfg),
-        step_fn=micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg)),
-        parallelize_fn=lambda model, mesh: parallelize_llama(model, mesh, cfg),
+        step_fn=step_fn,
+        parallelize_fn=parallelize_fn,
         optimizer_fn=lambda params: build_optimizer(params, cfg),
         init_fn=init_llama,
         world_size=cfg.world.world_size,
@@ -327,4 +359,20 @@ def measure_job(cfg: Any, capture_stacks: bool = True, device: str = "cpu") -> S
         num_micro_batches=cfg.training.num_micro_batches,
         capture_stacks=capture_stacks,
         metadata=job_metadata(cfg),
+        held_fn=held_fn,
     )
+
+
+def pipeline_held_buffers(schedule: Any) -> Iterator[tuple[torch.Tensor, Category, str]]:
+    """The p2p receive buffers of a built pipeline schedule's stages (torch 2.13 ``PipelineStage`` allocates one
+    per micro batch for activations and for gradients at the first step and keeps them): input data, ``Other``,
+    as the dry run labels them."""
+    if schedule is None:
+        return
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        for infos in (stage.args_recv_info, stage.grad_recv_info):
+            for recv in infos.values():
+                for info in recv:
+                    if not getattr(info, "is_root_arg", True) and info.buffer is not None:
+                        yield info.buffer, Category.OTHER, ""

@@ -136,6 +136,10 @@ def _stage_class() -> type:
             tracker = _active_tracker()
             if tracker is not None:
                 tracker.micro_batch = mb
+            elif torch.autograd.profiler._is_profiler_enabled:  # hyperdryrun measure: the profiler's marker
+                from hyperdryrun.ingest.profiler import mark_micro_batch
+
+                mark_micro_batch(mb)
 
         def _mark_buffers(self, infos: Any) -> None:
             tracker = _active_tracker()
@@ -292,6 +296,11 @@ class LlamaPipeline:
         if tracker is not None:  # the batch, like the engine's micro batches, is input data: "Other"
             tracker.mark(tokens, Category.OTHER)
             tracker.mark(labels, Category.OTHER)
+        elif torch.autograd.profiler._is_profiler_enabled:  # hyperdryrun measure: the profiler's marker
+            from hyperdryrun.ingest.profiler import mark
+
+            mark(tokens, Category.OTHER)
+            mark(labels, Category.OTHER)
         if self.schedule is None:
             device = next(iter(model.parameters())).device
             self.schedule = self._build_schedule(model, device)
