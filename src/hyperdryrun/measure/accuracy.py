@@ -114,6 +114,15 @@ PIPELINE_MATRIX: list[tuple[str, dict[str, Any]]] = [
         )
         for r in range(2)
     ),
+    *(
+        (
+            f"w2 pp=2 {schedule} (V, 4 stages) fp32 6 layers 4 micro batches, rank 0",
+            merge(
+                _INTERLEAVED, {"world": {"world_size": 2, "rank": 0}, "parallel": {"pp_schedule": schedule}}
+            ),
+        )
+        for schedule in ("ZBVZeroBubble", "DualPipeV")
+    ),
     (
         "w4 pp=2 x FSDP 2 1F1B bf16 params 4 layers 4 micro batches, rank 3",
         {
@@ -125,17 +134,10 @@ PIPELINE_MATRIX: list[tuple[str, dict[str, Any]]] = [
     ),
 ]
 """Pipeline rows: every stage of 1F1B at pp=2 and pp=4 (even layers, so the per-stage peaks follow the micro
-batches in flight), GPipe, Interleaved 1F1B (both ranks, two stages each) and pipeline combined with FSDP."""
+batches in flight), GPipe, Interleaved 1F1B (both ranks, two stages each), the zero-bubble V schedules (backward
+split into input and weight parts) and pipeline combined with FSDP."""
 
-KNOWN_PHASE_GAPS: dict[str, str] = {
-    "w4 pp=4 1F1B one layer per stage 4 micro batches, rank 0": (
-        "dry-run phase label: the schedule's recv_ of the next micro batch's gradient runs between two backward "
-        "chunks, outside autograd, so the tracker makes it a 'forward' task (it allocates nothing, it only uses "
-        "the receive buffer); live bytes there (1,497,856 B, the previous backward's leftovers just freed) "
-        "become the dry run's forward peak, while the profiler has no task at that instant (its tasks are "
-        "allocations) and its forward peak is 1,474,304 B, the dry run's own figure over allocating tasks"
-    ),
-}
+KNOWN_PHASE_GAPS: dict[str, str] = {}
 """Rows whose step peak agrees but one phase peak does not, with the cause: the suite asserts the gap is still
 there (so a fix makes the test fail until the entry is removed)."""
 

@@ -105,15 +105,21 @@ def summarize(trace: Any, device_memory_gib: float | None = None) -> dict[str, A
 
 
 def phases(trace: Any) -> dict[str, Any]:
-    """Per phase: the peak of live bytes over the phase's tasks, where it happens and what it consists of.
+    """Per phase: the peak of live bytes over the phase's allocating tasks, where it is and what it consists of.
 
     Computed from the block lifetimes, so each phase peak is exactly reconstructible from the CSV.
     """
     live = live_bytes_by_task(trace.blocks, trace.num_tasks)
+    allocating = {b.start for b in trace.blocks}
     best: dict[Phase, tuple[int, int]] = {}
-    for t, (phase, nbytes) in enumerate(zip(trace.task_phase, live, strict=True)):
-        if phase not in best or nbytes > best[phase][0]:
-            best[phase] = (nbytes, t)
+    # At allocating tasks only (live bytes grow only there; see MemoryTracker._end_task); a phase without any
+    # allocation falls back to all of its tasks.
+    for only_allocating in (True, False):
+        found: dict[Phase, tuple[int, int]] = {}
+        for t, (phase, nbytes) in enumerate(zip(trace.task_phase, live, strict=True)):
+            if (t in allocating or not only_allocating) and (phase not in found or nbytes > found[phase][0]):
+                found[phase] = (nbytes, t)
+        best = {**found, **best}
     out: dict[str, Any] = {}
     for phase in STEP_PHASES:
         if phase not in best:

@@ -323,7 +323,7 @@ class MemoryTracker:
             sid = self.stacks.capture(sys._getframe(1)) if self.capture_stacks else 0
             for st in new:
                 self._open(st, id(st), task, name, phase, sid)
-        self._end_task(phase)
+            self._end_task(phase)
 
     def _alias(self, inp: Any, out: Any) -> bool:
         """``out`` is ``inp``'s memory: torch 2.13's real ``_c10d_functional.wait_tensor`` returns its input, while
@@ -341,6 +341,9 @@ class MemoryTracker:
         return True
 
     def _end_task(self, phase: Phase) -> None:
+        """Phase peaks are taken at allocating tasks: live bytes only grow there, and a task that merely uses memory
+        (e.g. a pipeline schedule's recv between two backward chunks, outside autograd, so labelled forward) would
+        otherwise lend its phase the bytes another phase left behind."""
         cur = self.current
         if cur > self.phase_peak.get(phase, -1):
             self.phase_peak[phase] = cur
@@ -361,7 +364,7 @@ class MemoryTracker:
         if new > 0:
             sid = self.stacks.capture(sys._getframe(2)) if self.capture_stacks else 0
             self._open(st, key, task, RESIZE_OP, phase, sid)
-        self._end_task(phase)
+            self._end_task(phase)
 
     # ----------------------------------------------------------------- block bookkeeping
     def _open(
@@ -633,7 +636,14 @@ class _ModuleHooks:
             return
         tensors = [a for a in tree_leaves(inputs) if isinstance(a, torch.Tensor) and a.requires_grad]
         if tensors:
-            register_multi_grad_hook(tensors, self._exit_bw(weakref.ref(mod)))
+            # mode="any": the module's backward is taken as done at its first input gradient. torch's own
+            # ModTracker waits for all of them (mode="all"), but that hook holds the inputs' autograd nodes in a
+            # closure registered on those same nodes: a reference cycle that keeps graphs (and their saved tensors)
+            # alive until the garbage collector runs. Under schedules that split the backward (zero-bubble, whose
+            # weight-gradient pass frees the graph later) that kept every micro batch's activations into the
+            # optimizer step. Modules with several inputs that require grad get their backward peak a little
+            # early; memory is what the real run holds.
+            register_multi_grad_hook(tensors, self._exit_bw(weakref.ref(mod)), mode="any")
         else:
             self._post_bw_at_end.append(self._exit_bw(weakref.ref(mod)))
 
