@@ -175,8 +175,19 @@ def test_dispatch_without_active_rules_names_the_module_and_restores_globals():
             dict(parallel__ep=2, world__world_size=2, model__name="llama-tiny"),
             "parallel.ep=2 needs an MoE model",
         ),
-        (dict(parallel__etp=2, world__world_size=2), "parallel.etp=2 is not supported yet"),
-        (dict(parallel__tp=2, world__world_size=2), "parallel.tp=2 with an MoE model is not supported yet"),
+        (dict(parallel__etp=2, world__world_size=2), "parallel.etp=2 needs parallel.tp=2"),
+        (
+            dict(parallel__etp=4, parallel__tp=2, world__world_size=4),
+            "parallel.etp=4 must be 1 or parallel.tp=2",
+        ),
+        (
+            dict(parallel__tp=2, parallel__ep=2, world__world_size=4),
+            "parallel.etp=1 with parallel.tp=2 and parallel.ep=2 is not supported",
+        ),
+        (
+            dict(parallel__tp=2, model__moe_ffn_dim=33, world__world_size=2),
+            "model.moe_ffn_dim=33 is not divisible by parallel.tp=2",
+        ),
         (dict(parallel__cp=2, world__world_size=2), "parallel.cp=2 with an MoE model is not supported yet"),
         (
             dict(values__routing="explicit", values__counts=[1, 2, 3, 4]),
