@@ -204,6 +204,11 @@ def _parallel_styles():
     return NoParallel, TensorParallel
 
 
+def no_parallel() -> Any:
+    """A fresh NoParallel style (replicated on the tp mesh, local output)."""
+    return _parallel_styles()[0]()
+
+
 def apply_moe_tp(
     model: nn.Module, tp_mesh: Any, ep_mesh: Any | None, ep_tp_mesh: Any | None, cfg: JobConfig
 ) -> None:
@@ -218,7 +223,7 @@ def apply_moe_tp(
         parallelize_module,
     )
 
-    no_parallel, tensor_parallel = _parallel_styles()
+    _, tensor_parallel = _parallel_styles()
     seq = Shard(1) if cfg.parallel.sequence_parallel else Replicate()
     top_k = cfg.model.args().top_k
     for name, block in model.layers.items():
