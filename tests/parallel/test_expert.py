@@ -149,18 +149,23 @@ def test_expert_parallel_with_a_pipeline_runs_each_stage():
     assert all(p > 0 for p in peaks)
 
 
-def test_dispatch_without_active_rules_names_the_module_and_restores_globals():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dispatch_without_active_rules_names_the_module_and_restores_globals(tp):
+    """ep 2, and ep 2 x etp 2 with tp 2."""
     from hyperdryrun.parallel.expert import parallelize_moe
 
-    cfg = job(model__name="moe-tiny", world__world_size=2, parallel__ep=2, training__seq_len=8)
+    over = dict(
+        parallel__tp=tp, parallel__etp=tp, parallel__sequence_parallel=False, parallel__loss_parallel=False
+    )
+    cfg = job(model__name="moe-tiny", world__world_size=2 * tp, parallel__ep=2, training__seq_len=8, **over)
     with pytest.raises(SimulationError, match=r"layers\.0\.moe\.experts.*no value rules"):
         simulate(
             lambda: MoETransformer(TINY, 8),
             lambda i, d: (torch.randint(0, 256, (1, 8), device=d),) * 2,
             loss_fn=lambda m, b: m(b[0]).float().pow(2).mean(),
             parallelize_fn=lambda m, mesh: parallelize_moe(m, mesh, cfg),
-            world_size=2,
-            mesh_shape=(1, 1, 2, 1, 1),
+            world_size=2 * tp,
+            mesh_shape=(1, 1, 2, 1, tp),
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
     assert active_rules() is None
@@ -402,6 +407,13 @@ def test_ep_x_etp_dispatches_the_hand_derived_token_rows_on_each_tp_rank(rank, r
     ]
     assert grouped[0] == rows * (TINY.moe_ffn_dim // 2) * 2
     assert trace.metadata["moe"]["tokens_received_per_moe_layer"] == rows
+    # The 16 routed rows are replicated over tp, so their gradient is a partial sum all-reduced over tp in backward.
+    reduced = [
+        b.requested
+        for b in trace.blocks
+        if b.phase is Phase.BACKWARD and b.op == "all_reduce" and b.module == "layers.0.moe.experts"
+    ]
+    assert reduced == [16 * TINY.dim * 2]
 
 
 def test_moe_tensor_parallel_runs_are_deterministic():
