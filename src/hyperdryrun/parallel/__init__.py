@@ -118,10 +118,10 @@ def block_tp_plan(block: nn.Module, seq) -> dict:
     if hasattr(block.attention, "wkv_b"):
         # MLA (torchtitan's deepseek_v3 plan): the low-rank down projections and their norms stay replicated, the
         # per-head up projections are split by heads.
-        from hyperdryrun.parallel.expert import no_parallel
+        from hyperdryrun.parallel.expert import NoParallel
 
         for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"):
-            plan[f"attention.{name}"] = no_parallel()
+            plan[f"attention.{name}"] = NoParallel()
         plan["attention.wq_b"] = ColwiseParallel()
         plan["attention.wkv_b"] = ColwiseParallel()
     else:

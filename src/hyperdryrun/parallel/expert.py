@@ -6,6 +6,11 @@ shards them further over ``dp_shard_mod_ep`` (and ``dp_replicate``) while every 
 ``dp_shard`` as without EP. Tokens reach their experts by all-to-all (``all_to_all_single_autograd``): the split
 sizes depend on the router's decisions, which fake tensors do not have, so they come from the routing rule of
 :mod:`hyperdryrun.world.values` (``moe.token_counts``), assuming every EP rank routes its tokens alike.
+
+With TP (torchtitan's ``apply_moe_ep_tp``), the MoE layer gathers the sequence over tp, keeps the router replicated
+and splits shared experts Megatron style; routed experts are split on their hidden dimension over tp (ep = 1,
+``TensorParallel``) or over ep x etp with etp = tp (``ExpertTensorParallel``: tokens replicated over tp, dispatched
+over ep). torchtitan's etp = 1 with ep > 1, where EP borrows the tp ranks, is not built.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyperdryrun.config import JobConfig
 from hyperdryrun.parallel import DTYPES, apply_ac, fsdp_enabled
@@ -166,47 +172,38 @@ def _tp_replicated(inputs: tuple, tp_mesh: Any) -> tuple:
     return routed_input.to_local(grad_placements=(Partial(),)), counts
 
 
-def _parallel_styles():
-    """ParallelStyle subclasses built lazily (torch.distributed.tensor is imported only when TP is used)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-    from torch.distributed.tensor.parallel import ParallelStyle
+class NoParallel(ParallelStyle):
+    """A replicated module on the tp mesh (torchtitan's ``NoParallel``, for the router gate and MLA's low-rank
+    projections): parameters become Replicate DTensors, a plain input is annotated as replicated, the output is
+    returned as a local tensor."""
 
-    class NoParallel(ParallelStyle):
-        """A replicated module on the tp mesh (torchtitan's ``NoParallel`` for the router gate): parameters become
-        Replicate DTensors, the plain input is annotated as replicated and the output returned as a local tensor."""
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
-        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            def inp(mod, inputs, mesh):
-                x = inputs[0]
-                if not isinstance(x, DTensor):
-                    x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
-                return (x, *inputs[1:])
+        def annotate(mod, inputs, mesh):
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+            return (x, *inputs[1:])
 
-            return distribute_module(module, device_mesh, None, inp, lambda mod, out, mesh: out.to_local())
-
-    class TensorParallel(ParallelStyle):
-        """Every expert split over tp on its hidden dimension (torchtitan's ``TensorParallel`` for experts when
-        ep = 1): all tokens run on every tp rank, the output is a partial sum over tp."""
-
-        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            def partition(name, mod, mesh):
-                for pname, dim in _TP_DIMS.items():
-                    param = getattr(mod, pname)
-                    mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(dim)])))
-
-            return distribute_module(
-                module,
-                device_mesh,
-                partition,
-                input_fn=lambda mod, inputs, mesh: _tp_replicated(inputs, mesh),
-            )
-
-    return NoParallel, TensorParallel
+        return distribute_module(module, device_mesh, None, annotate, lambda mod, out, mesh: out.to_local())
 
 
-def no_parallel() -> Any:
-    """A fresh NoParallel style (replicated on the tp mesh, local output)."""
-    return _parallel_styles()[0]()
+class TensorParallel(ParallelStyle):
+    """Every routed expert split over tp on its hidden dimension (torchtitan's ``TensorParallel`` for experts when
+    ep = 1): all tokens run on every tp rank, the output is a partial sum over tp."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+        def partition(name, mod, mesh):
+            for pname, dim in _TP_DIMS.items():
+                param = getattr(mod, pname)
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(dim)])))
+
+        return distribute_module(
+            module, device_mesh, partition, input_fn=lambda mod, inputs, mesh: _tp_replicated(inputs, mesh)
+        )
 
 
 def apply_moe_tp(
@@ -223,7 +220,6 @@ def apply_moe_tp(
         parallelize_module,
     )
 
-    _, tensor_parallel = _parallel_styles()
     seq = Shard(1) if cfg.parallel.sequence_parallel else Replicate()
     top_k = cfg.model.args().top_k
     for name, block in model.layers.items():
@@ -237,7 +233,7 @@ def apply_moe_tp(
                 output_layouts=(Partial(),),
                 desired_output_layouts=(seq,),
             ),
-            "moe.router.gate": no_parallel(),
+            "moe.router.gate": NoParallel(),
         }
         if block.moe.shared_experts is not None:
             plan["moe.shared_experts.w1"] = ColwiseParallel()
@@ -246,7 +242,7 @@ def apply_moe_tp(
         parallelize_module(block, tp_mesh, plan)
         fqn = f"layers.{name}.moe.experts"
         if ep_mesh is None:
-            parallelize_module(block.moe.experts, tp_mesh, tensor_parallel())
+            parallelize_module(block.moe.experts, tp_mesh, TensorParallel())
         else:
             ExpertTensorParallel(fqn, top_k, ep_mesh, tp_mesh).apply(block.moe.experts, ep_tp_mesh)
 
