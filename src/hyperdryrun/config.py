@@ -363,18 +363,28 @@ class JobConfig(_Strict):
             raise ValueError(f"model.top_k={m.top_k} exceeds model.num_experts={m.num_experts}")
         if m.n_dense_layers > m.n_layers:
             raise ValueError(f"model.n_dense_layers={m.n_dense_layers} exceeds model.n_layers={m.n_layers}")
-        if p.tp > 1:
-            raise ValueError(
-                f"parallel.tp={p.tp} with an MoE model is not supported yet (MoE runs with FSDP/EP/PP)"
-            )
         if p.cp > 1:
             raise ValueError(
-                f"parallel.cp={p.cp} with an MoE model is not supported yet (MoE runs with FSDP/EP/PP)"
+                f"parallel.cp={p.cp} with an MoE model is not supported yet (MoE runs with FSDP/TP/EP/PP)"
             )
-        if p.etp > 1:
+        # torchtitan's layouts: etp is 1 or tp; with ep > 1, etp = tp shards each local expert over tp (ep x etp),
+        # etp = 1 lends the tp ranks to EP, which this recipe does not build (EP splits dp_shard only).
+        if p.etp > 1 and p.tp == 1:
             raise ValueError(
-                f"parallel.etp={p.etp} is not supported yet (expert tensor parallel needs tp > 1; experts use etp=1)"
+                f"parallel.etp={p.etp} needs parallel.tp={p.etp} (expert TP shards experts over tp)"
             )
+        if p.etp not in (1, p.tp):
+            raise ValueError(f"parallel.etp={p.etp} must be 1 or parallel.tp={p.tp} (torchtitan's layouts)")
+        if p.tp > 1 and p.ep > 1 and p.etp == 1:
+            raise ValueError(
+                f"parallel.etp=1 with parallel.tp={p.tp} and parallel.ep={p.ep} is not supported (EP borrowing the "
+                f"tp ranks is not built; use parallel.etp={p.tp})"
+            )
+        if p.tp > 1:
+            shared = m.num_shared_experts * m.moe_ffn_dim
+            for name, value in (("moe_ffn_dim", m.moe_ffn_dim), ("num_shared_experts*moe_ffn_dim", shared)):
+                if value % p.tp:
+                    raise ValueError(f"model.{name}={value} is not divisible by parallel.tp={p.tp}")
         if p.dp_shard % p.ep:
             raise ValueError(
                 f"parallel.ep={p.ep} must divide parallel.dp_shard={p.dp_shard} (EP splits dp_shard)"

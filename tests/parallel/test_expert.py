@@ -149,18 +149,23 @@ def test_expert_parallel_with_a_pipeline_runs_each_stage():
     assert all(p > 0 for p in peaks)
 
 
-def test_dispatch_without_active_rules_names_the_module_and_restores_globals():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dispatch_without_active_rules_names_the_module_and_restores_globals(tp):
+    """ep 2, and ep 2 x etp 2 with tp 2."""
     from hyperdryrun.parallel.expert import parallelize_moe
 
-    cfg = job(model__name="moe-tiny", world__world_size=2, parallel__ep=2, training__seq_len=8)
+    over = dict(
+        parallel__tp=tp, parallel__etp=tp, parallel__sequence_parallel=False, parallel__loss_parallel=False
+    )
+    cfg = job(model__name="moe-tiny", world__world_size=2 * tp, parallel__ep=2, training__seq_len=8, **over)
     with pytest.raises(SimulationError, match=r"layers\.0\.moe\.experts.*no value rules"):
         simulate(
             lambda: MoETransformer(TINY, 8),
             lambda i, d: (torch.randint(0, 256, (1, 8), device=d),) * 2,
             loss_fn=lambda m, b: m(b[0]).float().pow(2).mean(),
             parallelize_fn=lambda m, mesh: parallelize_moe(m, mesh, cfg),
-            world_size=2,
-            mesh_shape=(1, 1, 2, 1, 1),
+            world_size=2 * tp,
+            mesh_shape=(1, 1, 2, 1, tp),
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
     assert active_rules() is None
@@ -175,8 +180,19 @@ def test_dispatch_without_active_rules_names_the_module_and_restores_globals():
             dict(parallel__ep=2, world__world_size=2, model__name="llama-tiny"),
             "parallel.ep=2 needs an MoE model",
         ),
-        (dict(parallel__etp=2, world__world_size=2), "parallel.etp=2 is not supported yet"),
-        (dict(parallel__tp=2, world__world_size=2), "parallel.tp=2 with an MoE model is not supported yet"),
+        (dict(parallel__etp=2, world__world_size=2), "parallel.etp=2 needs parallel.tp=2"),
+        (
+            dict(parallel__etp=4, parallel__tp=2, world__world_size=4),
+            "parallel.etp=4 must be 1 or parallel.tp=2",
+        ),
+        (
+            dict(parallel__tp=2, parallel__ep=2, world__world_size=4),
+            "parallel.etp=1 with parallel.tp=2 and parallel.ep=2 is not supported",
+        ),
+        (
+            dict(parallel__tp=2, model__moe_ffn_dim=33, world__world_size=2),
+            "model.moe_ffn_dim=33 is not divisible by parallel.tp=2",
+        ),
         (dict(parallel__cp=2, world__world_size=2), "parallel.cp=2 with an MoE model is not supported yet"),
         (
             dict(values__routing="explicit", values__counts=[1, 2, 3, 4]),
@@ -280,3 +296,181 @@ def test_fewer_local_experts_than_fsdp_ranks_shard_the_hidden_dim_without_paddin
         if b.category is Category.PARAMETER and b.end == PERSISTENT_END and b.module == "layers.0.moe.experts"
     ]
     assert stored == [TINY.num_experts * TINY.dim * TINY.moe_ffn_dim * 4 // 8] * 3
+
+
+# --- MoE with TP, and expert TP (ep x etp) ----------------------------------------------------------------------
+DEBUG = PRESETS["moe-debug"]
+
+
+def stored_bytes(trace) -> dict[str, int]:
+    """Stored (persistent) parameter bytes per module, as requested."""
+    out: dict[str, int] = {}
+    for b in trace.blocks:
+        if b.category is Category.PARAMETER and b.end == PERSISTENT_END:
+            out[b.module] = out.get(b.module, 0) + b.requested
+    return out
+
+
+def test_tp_splits_attention_dense_and_shared_expert_weights_and_replicates_the_router():
+    """moe-debug (dim 128, 4 heads of 32, 2 kv heads, dense FFN 256, 8 experts and 1 shared expert of hidden 64),
+    world 2 = tp 2, fp32: every projection stores half its values, the router gate all of them; with ep = 1 the
+    routed experts are split over tp on their hidden dimension (torchtitan's TensorParallel)."""
+    trace = moe_run(model="moe-debug", world__world_size=2, parallel__tp=2, training__seq_len=16)
+    d, q, kv, f, h, e = (
+        DEBUG.dim,
+        DEBUG.n_heads * DEBUG.head_dim,
+        DEBUG.n_kv_heads * DEBUG.head_dim,
+        256,
+        64,
+        8,
+    )
+    stored = stored_bytes(trace)
+    half = {
+        "attention.wq": d * q,
+        "attention.wk": d * kv,
+        "attention.wv": d * kv,
+        "attention.wo": q * d,
+    }
+    for name, values in half.items():
+        assert stored[f"layers.0.{name}"] == stored[f"layers.1.{name}"] == values * 4 // 2
+    for w in ("w1", "w2", "w3"):
+        assert stored[f"layers.0.feed_forward.{w}"] == d * f * 4 // 2
+        assert stored[f"layers.1.moe.shared_experts.{w}"] == d * h * 4 // 2
+    assert stored["layers.1.moe.router.gate"] == d * e * 4
+    assert stored["layers.1.moe.experts"] == 3 * e * h * d * 4 // 2
+
+
+def test_tp_all_gathers_the_moe_input_and_reduce_scatters_its_partial_output():
+    """moe-tiny, tp 2 with sequence parallel, seq 8, bf16 compute: the MoE layer gathers the 8 tokens (8 x 64 x 2
+    bytes), routes all 16 (token, expert) rows on every tp rank, and reduce-scatters its output back to 4 tokens."""
+    trace = moe_run(world__world_size=2, parallel__tp=2, training__seq_len=8)
+    fwd = [b for b in trace.blocks if b.phase is Phase.FORWARD and b.module.startswith("layers.0")]
+    gathers = [b.requested for b in fwd if b.op == "all_gather_into_tensor" and b.module == "layers.0.moe"]
+    scatters = [b.requested for b in fwd if b.op == "reduce_scatter_tensor"]
+    assert gathers == [8 * TINY.dim * 2]
+    assert scatters[-1] == 4 * TINY.dim * 2
+    # First grouped GEMM: 16 rows x (hidden 32 / tp 2) bf16 values.
+    grouped = [b.requested for b in fwd if b.op == "_grouped_mm" and b.module == "layers.0.moe.experts"]
+    assert grouped[0] == 16 * (TINY.moe_ffn_dim // 2) * 2
+
+
+@pytest.mark.parametrize(("world", "fsdp"), [(4, 1), (8, 2)])
+def test_ep_x_etp_splits_expert_weights_by_ep_times_etp_exactly(world, fsdp):
+    """moe-debug, tp = etp = 2, ep = 2: each rank stores 8/2 experts with hidden 64/2, further sharded by FSDP over
+    dp_shard_mod_ep = dp_shard / ep (1 at world 4, 2 at world 8); the bf16 all-gather restores ep x etp's share."""
+    trace = moe_run(
+        model="moe-debug",
+        world__world_size=world,
+        parallel__tp=2,
+        parallel__ep=2,
+        parallel__etp=2,
+        training__seq_len=16,
+    )
+    full = DEBUG.num_experts * DEBUG.moe_ffn_dim * DEBUG.dim
+    assert stored_bytes(trace)["layers.1.moe.experts"] == 3 * full * 4 // (2 * 2 * fsdp)
+    gathered = [
+        b.requested
+        for b in trace.blocks
+        if b.phase is Phase.FORWARD
+        and b.op == "empty"
+        and b.category is Category.PARAMETER
+        and b.module == "layers.1.moe.experts"
+    ]
+    if fsdp > 1:
+        assert gathered == [full * 2 // (2 * 2)] * 3
+    # The router stays whole (replicated over tp, sharded by FSDP over dp_shard = world / 2).
+    assert stored_bytes(trace)["layers.1.moe.router.gate"] == DEBUG.dim * DEBUG.num_experts * 4 // (
+        world // 2
+    )
+
+
+@pytest.mark.parametrize(("rank", "rows"), [(0, 2 * (6 + 5)), (1, 2 * (6 + 5)), (2, 2 * (3 + 2))])
+def test_ep_x_etp_dispatches_the_hand_derived_token_rows_on_each_tp_rank(rank, rows):
+    """world 4 = ep 2 x tp 2 (rank = 2 * ep_rank + tp_rank), seq 8 gathered to all 8 tokens, top-2, counts
+    [6, 5, 3, 2]: both tp ranks of ep rank 0 receive 6 + 5 rows from each of 2 ep ranks, ep rank 1 receives 3 + 2;
+    the grouped GEMM runs those rows on hidden 32 / etp 2."""
+    trace = moe_run(
+        world__world_size=4,
+        world__rank=rank,
+        parallel__tp=2,
+        parallel__ep=2,
+        parallel__etp=2,
+        training__seq_len=8,
+        values__routing="explicit",
+        values__counts=[6, 5, 3, 2],
+    )
+    assert dispatch_sizes(trace) == [TINY.num_experts * 8, rows * TINY.dim * 2]
+    grouped = [
+        b.requested
+        for b in trace.blocks
+        if b.phase is Phase.FORWARD and b.op == "_grouped_mm" and b.module == "layers.0.moe.experts"
+    ]
+    assert grouped[0] == rows * (TINY.moe_ffn_dim // 2) * 2
+    assert trace.metadata["moe"]["tokens_received_per_moe_layer"] == rows
+    # The 16 routed rows are replicated over tp, so their gradient is a partial sum all-reduced over tp in backward.
+    reduced = [
+        b.requested
+        for b in trace.blocks
+        if b.phase is Phase.BACKWARD and b.op == "all_reduce" and b.module == "layers.0.moe.experts"
+    ]
+    assert reduced == [16 * TINY.dim * 2]
+
+
+def test_moe_tensor_parallel_runs_are_deterministic():
+    def run():
+        t = moe_run(
+            model="moe-debug",
+            world__world_size=8,
+            world__rank=5,
+            parallel__tp=2,
+            parallel__ep=2,
+            parallel__etp=2,
+            training__seq_len=16,
+            values__routing="hotspot",
+        )
+        return t.peak, [(b.size, b.op, b.module, b.start, b.end, b.category) for b in t.blocks], t.metadata
+
+    assert run() == run()
+
+
+def test_mla_attention_with_tp_splits_the_up_projections_and_replicates_the_low_rank_ones():
+    """A small MLA model (4 heads, q rank 32, kv rank 16, nope 16, rope 8, v 16) over tp 2 without FSDP: wq_b and
+    wkv_b store half their fp32 values, wq_a and wkv_a all of theirs (torchtitan's deepseek_v3 plan)."""
+    from hyperdryrun.engine import micro_batch_step
+    from hyperdryrun.models.llama import cross_entropy_loss
+    from hyperdryrun.parallel.expert import parallelize_moe
+    from hyperdryrun.recipe import loss_context, with_value_rules
+
+    args = DEBUG.replace(
+        attention="mla",
+        n_kv_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
+    cfg = job(
+        model__name="moe-debug",
+        world__world_size=2,
+        parallel__tp=2,
+        training__seq_len=8,
+        training__param_dtype="fp32",
+        training__reduce_dtype="fp32",
+    )
+    step = micro_batch_step(lambda m, b: cross_entropy_loss(m(b[0]), b[1]), 1, loss_context(cfg))
+    trace = simulate(
+        lambda: MoETransformer(args, 8),
+        lambda i, d: (torch.randint(0, 512, (1, 8), device=d),) * 2,
+        step_fn=with_value_rules(cfg, step),
+        parallelize_fn=lambda m, mesh: parallelize_moe(m, mesh, cfg),
+        world_size=2,
+        mesh_shape=(1, 1, 1, 1, 2),
+        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
+    )
+    stored = stored_bytes(trace)
+    assert stored["layers.1.attention.wq_a"] == 128 * 32 * 4
+    assert stored["layers.1.attention.wkv_a"] == 128 * (16 + 8) * 4
+    assert stored["layers.1.attention.wq_b"] == 32 * 4 * (16 + 8) * 4 // 2
+    assert stored["layers.1.attention.wkv_b"] == 16 * 4 * (16 + 16) * 4 // 2
+    assert stored["layers.1.attention.wo"] == 4 * 16 * 128 * 4 // 2

@@ -77,7 +77,6 @@ def apply_tp(model: nn.Module, tp_mesh, cfg: JobConfig) -> None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -97,23 +96,57 @@ def apply_tp(model: nn.Module, tp_mesh, cfg: JobConfig) -> None:
     root_plan = {name: style for name, style in root_plan.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root_plan)
     for block in model.layers.values():
-        plan = {
-            "attention": PrepareModuleInput(
-                input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w3": ColwiseParallel(),
-        }
-        if sp:
-            plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_tp_plan(block, seq))
+
+
+def block_tp_plan(block: nn.Module, seq) -> dict:
+    """The TP plan of one decoder block: attention and the dense FFN (when the block has one) are split Megatron
+    style, norms are sequence parallel when ``seq`` is ``Shard(1)``. An MoE layer's plan is added by
+    :func:`hyperdryrun.parallel.expert.apply_moe_tp`."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan: dict = {
+        "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+    }
+    if hasattr(block.attention, "wkv_b"):
+        # MLA (torchtitan's deepseek_v3 plan): the low-rank down projections and their norms stay replicated, the
+        # per-head up projections are split by heads.
+        from hyperdryrun.parallel.expert import NoParallel
+
+        for name in ("wq_a", "q_norm", "wkv_a", "kv_norm"):
+            plan[f"attention.{name}"] = NoParallel()
+        plan["attention.wq_b"] = ColwiseParallel()
+        plan["attention.wkv_b"] = ColwiseParallel()
+    else:
+        plan.update(
+            {
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+            }
+        )
+    if getattr(block, "feed_forward", None) is not None:
+        plan.update(
+            {
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+                "feed_forward.w3": ColwiseParallel(),
+            }
+        )
+    if seq == Shard(1):
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    return plan
 
 
 _SAVE_OPS = {

@@ -6,6 +6,11 @@ shards them further over ``dp_shard_mod_ep`` (and ``dp_replicate``) while every 
 ``dp_shard`` as without EP. Tokens reach their experts by all-to-all (``all_to_all_single_autograd``): the split
 sizes depend on the router's decisions, which fake tensors do not have, so they come from the routing rule of
 :mod:`hyperdryrun.world.values` (``moe.token_counts``), assuming every EP rank routes its tokens alike.
+
+With TP (torchtitan's ``apply_moe_ep_tp``), the MoE layer gathers the sequence over tp, keeps the router replicated
+and splits shared experts Megatron style; routed experts are split on their hidden dimension over tp (ep = 1,
+``TensorParallel``) or over ep x etp with etp = tp (``ExpertTensorParallel``: tokens replicated over tp, dispatched
+over ep). torchtitan's etp = 1 with ep > 1, where EP borrows the tp ranks, is not built.
 """
 
 from __future__ import annotations
@@ -14,18 +19,21 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyperdryrun.config import JobConfig
 from hyperdryrun.parallel import DTYPES, apply_ac, fsdp_enabled
 from hyperdryrun.world.values import ValueRuleError, active_rules
 
 
-def expert_meshes(mesh: Any, cfg: JobConfig) -> tuple[Any, Any]:
-    """(ep mesh, mesh that FSDP2 shards the experts over) from the world mesh; built outside fake mode."""
+def expert_meshes(mesh: Any, cfg: JobConfig) -> tuple[Any, Any, Any]:
+    """(ep mesh, mesh that FSDP2 shards the experts over, ep x tp mesh or None) from the world mesh; built outside
+    fake mode. The ep x tp mesh exists when experts are also tensor parallel (etp = tp > 1)."""
     p = cfg.parallel
     full = mesh._unflatten("dp_shard", (p.dp_shard // p.ep, p.ep), ("dp_shard_mod_ep", "ep"))
     efsdp = full["dp_replicate", "dp_shard_mod_ep"] if p.dp_replicate > 1 else full["dp_shard_mod_ep"]
-    return full["ep"], efsdp
+    ep_tp = full["ep", "tp"] if p.etp > 1 else None
+    return full["ep"], efsdp, ep_tp
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -119,6 +127,126 @@ class ExpertParallel:
         return all_to_all_single_autograd(unpermuted, self.input_splits, self.output_splits, mesh.get_group())
 
 
+class ExpertTensorParallel(ExpertParallel):
+    """Experts sharded over ep x etp (torchtitan's ``ExpertTensorParallel``): the expert dimension over ep, each
+    expert's hidden dimension over tp (w1/w3 column-wise, w2 row-wise). Tokens are replicated over tp, dispatched
+    and combined over ep; the output is a partial sum over tp that the MoE output's reduce-scatter completes."""
+
+    def __init__(self, fqn: str, top_k: int, ep_mesh: Any, tp_mesh: Any) -> None:
+        super().__init__(fqn, top_k)
+        self.ep_mesh, self.tp_mesh = ep_mesh, tp_mesh
+
+    def apply(self, experts: nn.Module, ep_tp_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(
+            experts,
+            ep_tp_mesh,
+            partition_fn=_partition_2d,
+            input_fn=lambda mod, inputs, mesh: self._dispatch(
+                mod, _tp_replicated(inputs, self.tp_mesh), self.ep_mesh
+            ),
+            output_fn=lambda mod, out, mesh: self._combine(mod, out, self.ep_mesh),
+        )
+
+
+def _partition_2d(name: str, module: nn.Module, mesh: Any) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for pname, dim in _TP_DIMS.items():
+        param = getattr(module, pname)
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0), Shard(dim)])))
+
+
+# GroupedExperts weights: w1, w3 (E, hidden, dim) are split column-wise on hidden, w2 (E, dim, hidden) row-wise.
+_TP_DIMS = {"w1": 1, "w2": 2, "w3": 1}
+
+
+def _tp_replicated(inputs: tuple, tp_mesh: Any) -> tuple:
+    """Tokens are the same on every tp rank; their gradient is a partial sum over tp (torchtitan's
+    ``from_local(Replicate).to_local(grad_placements=Partial)``), all-reduced in backward."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    routed_input, counts = inputs
+    routed_input = DTensor.from_local(routed_input, tp_mesh, (Replicate(),), run_check=False)
+    return routed_input.to_local(grad_placements=(Partial(),)), counts
+
+
+class NoParallel(ParallelStyle):
+    """A replicated module on the tp mesh (torchtitan's ``NoParallel``, for the router gate and MLA's low-rank
+    projections): parameters become Replicate DTensors, a plain input is annotated as replicated, the output is
+    returned as a local tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+        def annotate(mod, inputs, mesh):
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+            return (x, *inputs[1:])
+
+        return distribute_module(module, device_mesh, None, annotate, lambda mod, out, mesh: out.to_local())
+
+
+class TensorParallel(ParallelStyle):
+    """Every routed expert split over tp on its hidden dimension (torchtitan's ``TensorParallel`` for experts when
+    ep = 1): all tokens run on every tp rank, the output is a partial sum over tp."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+        def partition(name, mod, mesh):
+            for pname, dim in _TP_DIMS.items():
+                param = getattr(mod, pname)
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(dim)])))
+
+        return distribute_module(
+            module, device_mesh, partition, input_fn=lambda mod, inputs, mesh: _tp_replicated(inputs, mesh)
+        )
+
+
+def apply_moe_tp(
+    model: nn.Module, tp_mesh: Any, ep_mesh: Any | None, ep_tp_mesh: Any | None, cfg: JobConfig
+) -> None:
+    """TP of the MoE layers (torchtitan's ``apply_moe_ep_tp``): the MoE input is all-gathered over tp and its
+    partial output reduce-scattered back to sequence shards; the router is replicated, shared experts are split
+    Megatron style, routed experts get TensorParallel (ep = 1) or ExpertTensorParallel (ep x etp)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    seq = Shard(1) if cfg.parallel.sequence_parallel else Replicate()
+    top_k = cfg.model.args().top_k
+    for name, block in model.layers.items():
+        if getattr(block, "moe", None) is None:
+            continue
+        plan = {
+            "moe": PrepareModuleInputOutput(
+                input_layouts=(seq,),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Partial(),),
+                desired_output_layouts=(seq,),
+            ),
+            "moe.router.gate": NoParallel(),
+        }
+        if block.moe.shared_experts is not None:
+            plan["moe.shared_experts.w1"] = ColwiseParallel()
+            plan["moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Partial())
+            plan["moe.shared_experts.w3"] = ColwiseParallel()
+        parallelize_module(block, tp_mesh, plan)
+        fqn = f"layers.{name}.moe.experts"
+        if ep_mesh is None:
+            parallelize_module(block.moe.experts, tp_mesh, TensorParallel())
+        else:
+            ExpertTensorParallel(fqn, top_k, ep_mesh, tp_mesh).apply(block.moe.experts, ep_tp_mesh)
+
+
 def apply_ep(model: nn.Module, ep_mesh: Any, top_k: int) -> None:
     """Expert parallel on every MoE layer's routed experts."""
     for name, block in model.layers.items():
@@ -160,11 +288,18 @@ def apply_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg:
 
 
 def parallelize_moe(model: nn.Module, mesh: Any, cfg: JobConfig) -> nn.Module:
-    """EP, then AC, then FSDP2/HSDP (torchtitan's order for MoE models), all torch-native, from outside the model."""
+    """TP and EP, then AC, then FSDP2/HSDP (torchtitan's order for MoE models), all torch-native, from outside the
+    model."""
+    from hyperdryrun.parallel import apply_tp
+
     p = cfg.parallel
-    expert_mesh = None
+    ep_mesh = expert_mesh = ep_tp_mesh = None
     if p.ep > 1:
-        ep_mesh, expert_mesh = expert_meshes(mesh, cfg)
+        ep_mesh, expert_mesh, ep_tp_mesh = expert_meshes(mesh, cfg)
+    if p.tp > 1:
+        apply_tp(model, mesh["tp"], cfg)
+        apply_moe_tp(model, mesh["tp"], ep_mesh, ep_tp_mesh, cfg)
+    elif ep_mesh is not None:
         apply_ep(model, ep_mesh, cfg.model.args().top_k)
     apply_ac(model, cfg.training.ac, cfg.training.ac_selective)
     if fsdp_enabled(cfg):
