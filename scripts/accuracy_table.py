@@ -92,31 +92,22 @@ Module input/output bytes and call counts are not measured (0 in measured report
   may-alias ops such as `to` that reach the fake mode undecomposed (merge of `cp`); the likely reason, not
   traced further here.
 - Every row, the pipeline rows included: 0 B on the step peak.
-- `w4 pp=4 1F1B one layer per stage 4 micro batches, rank 0`: step and backward/optimizer peaks agree exactly; the
-  forward *phase* peak does not (dry 1,497,856 B, measured 1,474,304 B, 1.57%), and the suite asserts that this gap
-  is still there (`KNOWN_PHASE_GAPS` in `measure/accuracy.py`). Cause, in the dry run: after micro batch 0's
-  backward chunk, the schedule posts the `recv_` of micro batch 1's output gradient outside autograd. That op
-  allocates nothing (it fills the kept receive buffer), but the tracker makes a task of every op that uses a live
-  block and labels it by `Tracker.phase()`, which says `forward` outside autograd and the optimizer. Live bytes
-  there are the backward chunk's state just after its last frees, so the dry run's forward peak is a backward
-  moment. The profiler's tasks are allocations only, so the measured side has no task at that instant. Over the dry
-  run's allocating tasks its forward peak is 1,474,304 B, the measured figure exactly (and on every other row the
-  two definitions give the same phase peaks). Fix (in `trace/tracker.py` and `report/build.py`, not this suite's
-  files): take a phase's peak only at tasks that open a block (the live bytes right after one of the phase's
-  allocations, where a peak can occur), i.e. `_end_task` updates `phase_peak` only when the task allocated, and
-  `report.build.phases` takes its maximum over tasks where a block starts. Labelling the schedule's p2p ops with the
-  phase of the chunk they serve would fix it as well.
-- Zero-bubble schedules are not in the table: `measure` runs them, but the dry run over-counts. `llama-tiny` 6
-  layers, pp=2 rank 0, 4 micro batches, fp32: ZBVZeroBubble dry 3,976,212 B vs measured 3,546,388 B (+12.1%),
-  DualPipeV 3,647,500 vs 3,416,332 (+6.8%), InterleavedZeroBubble 5,014,528 vs 4,385,792 (+14.3%); in the dry run
-  every micro batch's activations (about 182 KB each) and some gradient temporaries stay alive into the optimizer
-  step. Cause, in the dry run: the tracker's `ModTracker` registers an `all`-mode `register_multi_grad_hook` on
-  every module's inputs (`mod_tracker._fw_pre_hook`); with the backward split into input and weight parts those
-  hooks never complete and keep the graph alive. With those hooks disabled (an experiment, not a change), the dry
-  run's step and optimizer peaks equal the measured ones exactly on all three schedules, and with the phase-peak fix
-  above the forward peaks too. The measured side prints torch's warning that one block freed in the step was
-  allocated before profiling (a storage kept from the warm-up step that the resident set does not name); it did not
-  change these figures, since the two sides then agree to the byte.
+- Two dry-run bugs this suite found in pipeline rows, both fixed in the tracker:
+  - `w4 pp=4 1F1B one layer per stage 4 micro batches, rank 0` had its *forward phase* peak 1.57% high (dry
+    1,497,856 B vs measured 1,474,304 B): the schedule posts the `recv_` of the next micro batch's output gradient
+    between two backward chunks, outside autograd, so that task was labelled `forward` while the backward's bytes
+    were still live. Phase peaks are now taken at allocating tasks only (live bytes grow only there), in
+    `MemoryTracker._end_task` and `report.build.phases`.
+  - Zero-bubble schedules were 7-14% high (ZBVZeroBubble dry 3,976,212 B vs measured 3,546,388 B, DualPipeV
+    3,647,500 vs 3,416,332, InterleavedZeroBubble 5,014,528 vs 4,385,792): the tracker's module hooks, like torch's
+    `ModTracker`, registered an `all`-mode `register_multi_grad_hook` on every module's inputs, whose closure holds
+    the inputs' autograd nodes and is registered on those nodes: a reference cycle that keeps the graph and its
+    saved tensors alive until the garbage collector runs. A split backward (input part, then weight part) frees its
+    graph late, so every micro batch's activations stayed into the optimizer step. The hook is now `any`-mode,
+    which holds no nodes; the zero-bubble rows above agree to the byte.
+  The measured side prints torch's warning that one block freed in a zero-bubble step was allocated before
+  profiling (a storage kept from the warm-up step that the resident set does not name); the two sides still agree
+  to the byte.
 - Context parallel cannot be measured on the CPU: torch 2.13's ring attention
   (`distributed/tensor/experimental/_context_parallel/_attention.py`) handles only
   `aten._scaled_dot_product_{flash,efficient,cudnn}_attention` (CUDA kernels), not the CPU kernel

@@ -240,4 +240,9 @@ def moe_limitations(cfg: JobConfig) -> list[str]:
             "DeepSeek-V3 MLA is modelled by its exact projection shapes with SDPA on q/k of nope+rope and v of "
             "v_head_dim per head; node-limited (group) routing, the load-balancing bias and MTP are not modelled"
         )
+        if cfg.parallel.tp > 1:
+            out.append(
+                "MLA under TP: the input gradient is all-reduced once per up-projection instead of torchtitan's "
+                "single reduce-scatter (buffers of the same size)"
+            )
     return out

@@ -67,7 +67,7 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--etp": (
         "parallel.etp",
         int,
-        "expert tensor parallel degree (only 1: experts are not tensor-parallel yet)",
+        "expert tensor parallel degree: 1, or --tp (routed experts sharded over ep x etp)",
     ),
     # --- MoE model shape and routing scenario ---
     "--num-experts": ("model.num_experts", int, "MoE: routed experts per layer"),

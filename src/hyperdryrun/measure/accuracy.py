@@ -124,6 +124,13 @@ PIPELINE_MATRIX: list[tuple[str, dict[str, Any]]] = [
         for schedule in ("ZBVZeroBubble", "DualPipeV")
     ),
     (
+        "w2 pp=2 InterleavedZeroBubble (4 stages) fp32 6 layers 4 micro batches, rank 0",
+        merge(
+            _INTERLEAVED,
+            {"world": {"world_size": 2, "rank": 0}, "parallel": {"pp_schedule": "InterleavedZeroBubble"}},
+        ),
+    ),
+    (
         "w4 pp=2 x FSDP 2 1F1B bf16 params 4 layers 4 micro batches, rank 3",
         {
             "model": {"n_layers": 4},

@@ -160,17 +160,6 @@ def _stage_class() -> type:
             self._mark_buffers(self.grad_recv_info)
             return out
 
-        def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
-            # The tracker's ModTracker (torch 2.13 mod_tracker._fw_post_hook) registers an "all"-mode multi-grad
-            # hook on the stage module's inputs; the received activation is an autograd leaf, and zero-bubble
-            # schedules' input-only backward (autograd.grad) rejects leaves there ("A leaf node was passed to
-            # _will_engine_execute_node"). A view of the leaf (no allocation, same gradient) keeps it out.
-            args = tuple(
-                a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
-                for a in args
-            )
-            return super().forward_maybe_with_nosync(*args, **kwargs)
-
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             self._label(fwd_chunk_id)
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
