@@ -169,11 +169,13 @@ def test_cli_writes_the_report_pair_in_the_run_schema(tmp_path, capsys):
             ["--world-size", "2", "--cp", "2", "--seq-len", "32"],
             "cp=2: context parallel cannot be measured on the CPU",
         ),
+        (["--model", "moe-tiny"], "model.name='moe-tiny': MoE models are not measured yet"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, needle):
     out_dir = tmp_path / "out"
-    rc, _, err = run_cli(["--model", "llama-tiny", "--output-dir", str(out_dir), *argv], capsys)
+    model = [] if "--model" in argv else ["--model", "llama-tiny"]
+    rc, _, err = run_cli([*model, "--output-dir", str(out_dir), *argv], capsys)
     assert rc == 2
     assert err.startswith("hyperdryrun: error: ") and err.count("\n") == 1 and "Traceback" not in err
     assert needle in err

@@ -54,10 +54,11 @@ def measure_command(args: argparse.Namespace) -> int:
         cfg = job_from_args(args)
     except ConfigError as err:
         return fail(str(err), err, args.debug)
-    if cfg.parallel.cp > 1:
-        from hyperdryrun.measure.step import CP_UNSUPPORTED
+    from hyperdryrun.measure.step import unsupported
 
-        return fail(CP_UNSUPPORTED.format(cp=cfg.parallel.cp), None, args.debug)
+    why = unsupported(cfg)
+    if why:
+        return fail(why, None, args.debug)
     out = run_rank(cfg, not args.no_stacks, execute=_measure, mode="measured")
     if out.error:
         return fail(out.error, None, args.debug)
