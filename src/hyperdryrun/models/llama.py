@@ -142,22 +142,10 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
-    """Decoder-only LM: tokens (bs, seq) -> logits (bs, seq, vocab)."""
-
-    def __init__(self, args: LlamaArgs, max_seq_len: int) -> None:
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer(
-            "rope_cache", rope_cache(args.head_dim, max_seq_len, args.rope_theta), persistent=False
-        )
-        # A ModuleDict keyed by layer index, as torchtitan does, so that FQNs stay stable under splitting.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+class DecoderLM(nn.Module):
+    """What every built-in decoder shares: tokens -> embedding -> layers (with the RoPE table) -> norm -> logits,
+    and the cut to one pipeline stage. Subclasses build ``tok_embeddings``, ``rope_cache``, ``layers``, ``norm`` and
+    ``output``."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage is this model with some parts removed (``keep_stage``): it then takes or returns
@@ -178,6 +166,24 @@ class Transformer(nn.Module):
         if not head:
             self.norm = None
             self.output = None
+
+
+class Transformer(DecoderLM):
+    """Decoder-only LM: tokens (bs, seq) -> logits (bs, seq, vocab)."""
+
+    def __init__(self, args: LlamaArgs, max_seq_len: int) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.register_buffer(
+            "rope_cache", rope_cache(args.head_dim, max_seq_len, args.rope_theta), persistent=False
+        )
+        # A ModuleDict keyed by layer index, as torchtitan does, so that FQNs stay stable under splitting.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     def init_weights(self) -> None:
         """Real initialisation (used only by real execution; a dry run needs no values)."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperdryrun.models.llama import FeedForward, RMSNorm, apply_rope, rope_cache
+from hyperdryrun.models.llama import DecoderLM, FeedForward, RMSNorm, apply_rope, rope_cache
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,7 @@ class MoEBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class MoETransformer(nn.Module):
+class MoETransformer(DecoderLM):
     """Decoder-only MoE LM: tokens (bs, seq) -> logits (bs, seq, vocab); same stage interface as the Llama model."""
 
     def __init__(self, args: MoEArgs, max_seq_len: int) -> None:
@@ -282,23 +282,6 @@ class MoETransformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
-
-    def keep_stage(self, layers: range, embedding: bool, head: bool) -> None:
-        """Reduce the model to one pipeline stage (as :meth:`Transformer.keep_stage`)."""
-        for key in [k for k in self.layers if int(k) not in layers]:
-            del self.layers[key]
-        if not embedding:
-            self.tok_embeddings = None
-        if not head:
-            self.norm = None
-            self.output = None
 
     def init_weights(self) -> None:
         """Real initialisation (used only by real execution; a dry run needs no values)."""
