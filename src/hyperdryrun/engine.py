@@ -16,7 +16,7 @@ from torch import nn
 
 from hyperdryrun.trace.blocks import Block, Category, Phase
 from hyperdryrun.trace.stacks import StackTable
-from hyperdryrun.trace.tracker import MemoryTracker, ModuleStats, clean_fqn, local_tensor
+from hyperdryrun.trace.tracker import MemoryTracker, ModuleStats, resident_tensors
 from hyperdryrun.world import SimulatedWorld
 from hyperdryrun.world.patches import Patch, PatchSet
 
@@ -110,6 +110,15 @@ def micro_batch_step(
     return step
 
 
+def resolve_step(loss_fn: LossFn | None, step_fn: StepFn | None, num_micro_batches: int) -> StepFn:
+    """The step to run: the user's ``step_fn``, or :func:`micro_batch_step` over ``loss_fn`` (exactly one given)."""
+    if (loss_fn is None) == (step_fn is None):
+        raise ValueError("give exactly one of loss_fn or step_fn")
+    if num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1")
+    return step_fn or micro_batch_step(loss_fn, num_micro_batches)
+
+
 def _finish_fsdp_lazy_init(model: nn.Module) -> None:
     """Steady state for FSDP2: its lazy init, which real training runs in the first forward, re-pads uneven shards
     that ``to_empty`` left unpadded (torch 2.13 ``FSDPParam.reset_sharded_param``: a new padded storage and a copy on
@@ -158,11 +167,7 @@ def simulate(
     ``optimizer_fn(params)`` builds the optimizer; ``batch_fn(i, device)`` makes micro batch ``i``;
     ``loss_fn(model, batch)`` returns the loss, or ``step_fn(model, optimizer, batches)`` runs the whole step.
     """
-    if (loss_fn is None) == (step_fn is None):
-        raise ValueError("give exactly one of loss_fn or step_fn")
-    if num_micro_batches < 1:
-        raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1")
-    step_fn = step_fn or micro_batch_step(loss_fn, num_micro_batches)
+    step_fn = resolve_step(loss_fn, step_fn, num_micro_batches)
     optimizer_fn = optimizer_fn or default_optimizer
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -283,18 +288,6 @@ def step_trace(tracker: MemoryTracker, initial: int) -> StepTrace:
 
 
 def _seed(tracker: MemoryTracker, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Blocks for what exists before the step: parameters, buffers, leftover grads, optimizer states, each owned
-    by the module that holds it (so "which module holds the peak" counts its weights too)."""
-    owners: dict[int, str] = {}
-    for name, mod in model.named_modules(remove_duplicate=True):
-        fqn = clean_fqn(name)
-        for p in mod.parameters(recurse=False):
-            if id(p) in owners:
-                continue
-            owners[id(p)] = fqn
-            tracker.seed(p, Category.PARAMETER, fqn)
-            if p.grad is not None:
-                tracker.seed(local_tensor(p.grad), Category.GRADIENT, fqn)
-        for b in mod.buffers(recurse=False):
-            tracker.seed(b, Category.BUFFER, fqn)
-    tracker.mark_optimizer_state(optimizer, owners)
+    """Blocks for what exists before the step (:func:`~hyperdryrun.trace.tracker.resident_tensors`)."""
+    for tensor, category, fqn in resident_tensors(model, optimizer):
+        tracker.seed(tensor, category, fqn)

@@ -28,11 +28,18 @@ from hyperdryrun.engine import (
     StepTrace,
     default_optimizer,
     micro_batch_step,
+    resolve_step,
 )
 from hyperdryrun.ingest.events import trace_from_events
 from hyperdryrun.ingest.profiler import events_from_profiler, mark, mark_micro_batch, resident_events
 from hyperdryrun.trace.blocks import STEP_PHASES, Category, Phase, live_bytes_by_task
-from hyperdryrun.trace.tracker import ModuleStats, clean_fqn, local_tensor, unique_storage_bytes
+from hyperdryrun.trace.tracker import (
+    ModuleStats,
+    clean_fqn,
+    local_tensor,
+    resident_tensors,
+    unique_storage_bytes,
+)
 from hyperdryrun.world import SimulatedWorld
 
 FAKE_PG_LIMITATION = (
@@ -104,11 +111,7 @@ def measure(
     storages that the step function keeps from one step to the next, as ``(tensor, category, module)`` (e.g. a
     pipeline schedule's receive buffers): alive when profiling starts, they are seeded like the parameters.
     """
-    if (loss_fn is None) == (step_fn is None):
-        raise ValueError("give exactly one of loss_fn or step_fn")
-    if num_micro_batches < 1:
-        raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1")
-    step_fn = step_fn or micro_batch_step(loss_fn, num_micro_batches)
+    step_fn = resolve_step(loss_fn, step_fn, num_micro_batches)
     optimizer_fn = optimizer_fn or default_optimizer
     timings: dict[str, float] = {}
     stage = "world"
@@ -158,7 +161,7 @@ def measure(
             stage = "step"
             names = {id(m): clean_fqn(n) for n, m in model.named_modules()}
             held = list(held_fn()) if held_fn is not None else []
-            resident = resident_events([*_resident_tensors(model, optimizer), *held], device=device)
+            resident = resident_events([*resident_tensors(model, optimizer), *held], device=device)
             del held
             t1 = time.perf_counter()
             prof = _profile_step(step_fn, model, optimizer, batches(True))
@@ -248,29 +251,6 @@ def _default_init(model: nn.Module) -> None:
         init()
 
 
-def _resident_tensors(model: nn.Module, optimizer: torch.optim.Optimizer):
-    """Parameters, buffers, leftover gradients and optimizer states, each with its category and owning module,
-    by the dry run's rules (host-side ``step`` scalars of non-fused, non-capturable optimizers are left out)."""
-    owners: dict[int, str] = {}
-    for name, mod in model.named_modules(remove_duplicate=True):
-        fqn = clean_fqn(name)
-        for p in mod.parameters(recurse=False):
-            if id(p) in owners:
-                continue
-            owners[id(p)] = fqn
-            yield local_tensor(p), Category.PARAMETER, fqn
-            if p.grad is not None:
-                yield local_tensor(p.grad), Category.GRADIENT, fqn
-        for b in mod.buffers(recurse=False):
-            yield b, Category.BUFFER, fqn
-    for group in optimizer.param_groups:
-        host_step = not (group.get("fused") or group.get("capturable"))
-        for p in group["params"]:
-            for key, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and not (key == "step" and host_step and v.dim() == 0):
-                    yield local_tensor(v), Category.OPTSTATE, owners.get(id(p), "")
-
-
 def _profile_step(step_fn: StepFn, model: nn.Module, optimizer: torch.optim.Optimizer, batches) -> Any:
     """The step under torch.profiler, with markers for the roles of parameters, gradients and states."""
     from torch.nn.modules.module import (
@@ -345,8 +325,16 @@ def init_llama(model: nn.Module) -> None:
 def measure_job(cfg: Any, capture_stacks: bool = True, device: str = "cpu") -> StepTrace:
     """Measure the built-in recipe for the rank that ``cfg`` names (the job :func:`hyperdryrun.recipe.run_job`
     dry-runs), with real tensors on ``device``."""
-    from hyperdryrun.parallel import MESH_DIMS, ParallelDims, build_optimizer, parallelize_llama
-    from hyperdryrun.recipe import batch_fn, job_metadata, llama_loss, loss_context, model_fn, pipeline
+    from hyperdryrun.parallel import MESH_DIMS, ParallelDims, build_optimizer
+    from hyperdryrun.recipe import (
+        batch_fn,
+        job_metadata,
+        llama_loss,
+        loss_context,
+        model_fn,
+        parallelize,
+        pipeline,
+    )
 
     why = unsupported(cfg)
     if why:
@@ -359,7 +347,7 @@ def measure_job(cfg: Any, capture_stacks: bool = True, device: str = "cpu") -> S
         held_fn = lambda: pipeline_held_buffers(pipe.schedule)  # noqa: E731
     else:
         step_fn = micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg))
-        parallelize_fn = lambda model, mesh: parallelize_llama(model, mesh, cfg)  # noqa: E731
+        parallelize_fn = parallelize(cfg)
     return measure(
         model_fn(cfg),
         batch_fn(cfg),

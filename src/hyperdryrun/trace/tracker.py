@@ -94,6 +94,43 @@ def unique_storage_bytes(obj: Any, alignment: int) -> int:
     return total
 
 
+def optimizer_state_tensors(opt: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(param, state tensor)`` for the optimizer's device state.
+
+    torch 2.13 Adam/AdamW/SGD keep ``state["step"]`` as a host (CPU) scalar unless the group is ``fused`` or
+    ``capturable``; on a CUDA target it takes no device memory, so it is left out (on a CPU simulation device it
+    would otherwise be indistinguishable from device state).
+    """
+    for group in opt.param_groups:
+        host_step = not (group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            for key, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and not (key == "step" and host_step and v.dim() == 0):
+                    yield p, v
+
+
+def resident_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> Iterator[tuple[torch.Tensor, Category, str]]:
+    """What exists before a step, as ``(rank-local tensor, category, owning module FQN)``: parameters, leftover
+    gradients, buffers and optimizer states, each owned by the module that holds it (so "which module holds the
+    peak" counts its weights too). The dry run seeds these as blocks; a measured run as resident storages."""
+    owners: dict[int, str] = {}
+    for name, mod in model.named_modules(remove_duplicate=True):
+        fqn = clean_fqn(name)
+        for p in mod.parameters(recurse=False):
+            if id(p) in owners:
+                continue
+            owners[id(p)] = fqn
+            yield local_tensor(p), Category.PARAMETER, fqn
+            if p.grad is not None:
+                yield local_tensor(p.grad), Category.GRADIENT, fqn
+        for b in mod.buffers(recurse=False):
+            yield b, Category.BUFFER, fqn
+    for p, v in optimizer_state_tensors(optimizer):
+        yield local_tensor(v), Category.OPTSTATE, owners.get(id(p), "")
+
+
 class ModuleStats:
     __slots__ = (
         "fqn",
@@ -522,23 +559,10 @@ class MemoryTracker:
         self.mark_optimizer_state(opt)
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
 
-    def mark_optimizer_state(self, opt: torch.optim.Optimizer, owners: dict[int, str] | None = None) -> None:
-        """Mark the optimizer's state tensors; with ``owners`` (param id -> module FQN) seed them as blocks.
-
-        torch 2.13 Adam/AdamW/SGD keep ``state["step"]`` as a host (CPU) scalar unless the group is ``fused`` or
-        ``capturable``; on a CUDA target it takes no device memory, so it is left out (on a CPU simulation device it
-        would otherwise be indistinguishable from device state).
-        """
-        for group in opt.param_groups:
-            host_step = not (group.get("fused") or group.get("capturable"))
-            for p in group["params"]:
-                for key, v in opt.state.get(p, {}).items():
-                    if not isinstance(v, torch.Tensor) or (key == "step" and host_step and v.dim() == 0):
-                        continue
-                    if owners is None:
-                        self.mark(v, Category.OPTSTATE)
-                    else:
-                        self.seed(v, Category.OPTSTATE, owners.get(id(p), ""))
+    def mark_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
+        """Mark the optimizer's device state tensors (see :func:`optimizer_state_tensors`)."""
+        for _, v in optimizer_state_tensors(opt):
+            self.mark(v, Category.OPTSTATE)
 
     # ----------------------------------------------------------------- results
     @property
