@@ -22,65 +22,34 @@ import torch
 from hyperdryrun.config import build_config
 from hyperdryrun.measure.accuracy import merge
 
+_SMALL_8B: dict[str, Any] = {
+    "name": "llama3-8b",
+    "dim": 1024,
+    "n_layers": 2,
+    "n_heads": 8,
+    "n_kv_heads": 2,
+    "ffn_dim": 3584,
+    "vocab_size": 32768,
+}
+"""The Llama 3 8B layout cut to 2 layers of width 1024: fits one GPU with room to spare."""
+
 CONFIGS: list[tuple[str, dict[str, Any]]] = [
     (
         "llama3-8b shape, 2 layers, dim 1024, seq 1024, w1 bf16 params",
-        {
-            "model": {
-                "name": "llama3-8b",
-                "dim": 1024,
-                "n_layers": 2,
-                "n_heads": 8,
-                "n_kv_heads": 2,
-                "ffn_dim": 3584,
-                "vocab_size": 32768,
-            },
-            "training": {"seq_len": 1024},
-        },
+        {"model": _SMALL_8B, "training": {"seq_len": 1024}},
     ),
     (
         "same, AC=full, 2 micro batches",
-        {
-            "model": {
-                "name": "llama3-8b",
-                "dim": 1024,
-                "n_layers": 2,
-                "n_heads": 8,
-                "n_kv_heads": 2,
-                "ffn_dim": 3584,
-                "vocab_size": 32768,
-            },
-            "training": {"seq_len": 1024, "ac": "full", "num_micro_batches": 2},
-        },
+        {"model": _SMALL_8B, "training": {"seq_len": 1024, "ac": "full", "num_micro_batches": 2}},
     ),
     (
         "same, w8 FSDP rank 0 (fake PG)",
-        {
-            "model": {
-                "name": "llama3-8b",
-                "dim": 1024,
-                "n_layers": 2,
-                "n_heads": 8,
-                "n_kv_heads": 2,
-                "ffn_dim": 3584,
-                "vocab_size": 32768,
-            },
-            "training": {"seq_len": 1024},
-            "world": {"world_size": 8},
-        },
+        {"model": _SMALL_8B, "training": {"seq_len": 1024}, "world": {"world_size": 8}},
     ),
     (
         "same, w8 FSDP4 x TP2 rank 0 (fake PG)",
         {
-            "model": {
-                "name": "llama3-8b",
-                "dim": 1024,
-                "n_layers": 2,
-                "n_heads": 8,
-                "n_kv_heads": 2,
-                "ffn_dim": 3584,
-                "vocab_size": 32768,
-            },
+            "model": _SMALL_8B,
             "training": {"seq_len": 1024},
             "world": {"world_size": 8},
             "parallel": {"tp": 2},
