@@ -10,6 +10,8 @@ import argparse
 import sys
 import traceback
 
+from hyperdryrun.report.build import one_line
+
 EXIT_OK, EXIT_VERDICT, EXIT_ERROR = 0, 1, 2
 
 
@@ -19,11 +21,6 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"hyperdryrun: error: {message}\n")
         raise SystemExit(EXIT_ERROR)
-
-
-def one_line(msg: str) -> str:
-    """Collapse a message to one line (error messages must never span lines)."""
-    return " ".join(str(msg).split()) or "(no message)"
 
 
 def fail(message: str, err: BaseException | None = None, debug: bool = False) -> int:
