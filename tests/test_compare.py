@@ -17,8 +17,8 @@ import pytest
 from hyperdryrun.cli import OneLineParser
 from hyperdryrun.commands.compare import register
 from hyperdryrun.compare import Side, as_report, compare, norm_op, unmatched_blocks
-from hyperdryrun.ingest.load import load_any
 from hyperdryrun.report import blocks_csv, build_report, write_reports
+from hyperdryrun.report.reader import load_any
 from hyperdryrun.report.schema import CSV_COLUMNS
 from tests.conftest import dry_run
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from hyperdryrun.trace.blocks import Block, Category, Phase
-from hyperdryrun.trace.stacks import StackTable
-from hyperdryrun.trace.tracker import MemoryTracker, ModuleStats, resident_tensors
+from hyperdryrun.patches import Patch, PatchSet
+from hyperdryrun.trace.blocks import Category
+from hyperdryrun.trace.step import StepTrace
+from hyperdryrun.trace.tensors import resident_tensors
+from hyperdryrun.trace.tracker import MemoryTracker
 from hyperdryrun.world import SimulatedWorld
-from hyperdryrun.world.patches import Patch, PatchSet
 
 ModelFn = Callable[[], nn.Module]
 ParallelizeFn = Callable[[nn.Module, Any], nn.Module | None]
@@ -34,26 +34,6 @@ class SimulationError(RuntimeError):
     def __init__(self, stage: str, error: BaseException) -> None:
         super().__init__(f"{stage}: {type(error).__name__}: {error}")
         self.stage, self.error = stage, error
-
-
-@dataclass
-class StepTrace:
-    """Everything the reports need, as plain data (no reference into the tracing machinery)."""
-
-    blocks: list[Block]
-    num_tasks: int
-    task_phase: list[Phase]
-    task_op: list[str]
-    peak: int
-    peak_task: int
-    current: int
-    phase_peak: dict[Phase, int]
-    modules: dict[str, ModuleStats]
-    stacks: StackTable
-    initial: int
-    metadata: dict[str, Any] = field(default_factory=dict)
-    limitations: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 def dtensor_speedups() -> list[Patch]:
@@ -288,6 +268,6 @@ def step_trace(tracker: MemoryTracker, initial: int) -> StepTrace:
 
 
 def _seed(tracker: MemoryTracker, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Blocks for what exists before the step (:func:`~hyperdryrun.trace.tracker.resident_tensors`)."""
+    """Blocks for what exists before the step (:func:`~hyperdryrun.trace.tensors.resident_tensors`)."""
     for tensor, category, fqn in resident_tensors(model, optimizer):
         tracker.seed(tensor, category, fqn)

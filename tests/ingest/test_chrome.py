@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from hyperdryrun.ingest.chrome import device_name, parse_frame, trace_from_chrome
-from hyperdryrun.ingest.load import IngestError, load_any, user_file
+from hyperdryrun.ingest.files import IngestError, user_file
 from hyperdryrun.report import build_report
+from hyperdryrun.report.reader import load_any
 from hyperdryrun.report.writer import to_json
 from hyperdryrun.trace.blocks import Phase
 from tests.ingest.fixtures.make_fixtures import BATCH, DIM, HIDDEN, OUT

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hyperdryrun.ingest.load import IngestError, load_any
+from hyperdryrun.ingest.files import IngestError
 from hyperdryrun.ingest.snapshot import trace_from_snapshot
 from hyperdryrun.report import build_report
+from hyperdryrun.report.reader import load_any
 from hyperdryrun.trace.blocks import Category, Phase
 from tests.ingest.fixtures.make_fixtures import snapshot
 

@@ -44,7 +44,7 @@ def register(subparsers: Any) -> None:
 
 
 def _side(path: str, device: str | None) -> Side:
-    from hyperdryrun.ingest.load import load_any
+    from hyperdryrun.report.reader import load_any
 
     loaded = load_any(path, device)
     if isinstance(loaded, dict):
@@ -57,7 +57,7 @@ def _side(path: str, device: str | None) -> Side:
 def run(args: argparse.Namespace) -> int:
     """Load both sides, compare, print; 0/1 by tolerance, 2 (one-line error) on bad input."""
     from hyperdryrun.commands import fail as _fail
-    from hyperdryrun.ingest.load import IngestError
+    from hyperdryrun.ingest.files import IngestError
 
     debug = getattr(args, "debug", False)
     if not math.isfinite(args.tolerance) or args.tolerance < 0:

@@ -17,11 +17,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from hyperdryrun.engine import StepTrace
 from hyperdryrun.ingest.events import AllocEvent, normalize_device, trace_from_events
-from hyperdryrun.ingest.load import IngestError, user_file
+from hyperdryrun.ingest.files import IngestError, user_file
 from hyperdryrun.trace.blocks import Phase
 from hyperdryrun.trace.stacks import Frame
+from hyperdryrun.trace.step import StepTrace
 
 # c10::DeviceType (c10/core/DeviceType.h), the integer a Chrome trace stores in "Device Type".
 DEVICE_TYPES = {

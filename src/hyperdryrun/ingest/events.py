@@ -1,4 +1,4 @@
-"""Real allocation events -> the dry run's plain data (:class:`~hyperdryrun.engine.StepTrace` with blocks).
+"""Real allocation events -> the dry run's plain data (:class:`~hyperdryrun.trace.step.StepTrace` with blocks).
 
 Every ingestion path (a live ``torch.profiler`` object, a Chrome trace, a CUDA snapshot, ``hyperdryrun measure``)
 reduces its source to a time-ordered list of :class:`AllocEvent` and calls :func:`trace_from_events`, so measured
@@ -17,18 +17,18 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyperdryrun.engine import StepTrace
 from hyperdryrun.trace.blocks import (
     ADDRESS_BASE,
     ALIGNMENT,
     Block,
     Category,
     Phase,
+    finalize_blocks,
     live_bytes_by_task,
     round_size,
 )
 from hyperdryrun.trace.stacks import Frame, StackTable
-from hyperdryrun.trace.tracker import MemoryTracker, ModuleStats
+from hyperdryrun.trace.step import ModuleStats, StepTrace
 
 INITIAL_OP = "initialization"
 """``op`` of blocks that exist before the first event (as the dry run's seeded blocks)."""
@@ -198,10 +198,7 @@ def trace_from_events(
                 task_id, freed_in_task = None, True
 
     num_tasks = len(b.task_op)
-    # Default categories by phase and plot coordinates, exactly as the dry run finalises its blocks.
-    finisher = MemoryTracker(alignment=max(alignment, 1), capture_stacks=False)
-    finisher.blocks = b.blocks
-    finisher.finalize()
+    finalize_blocks(b.blocks)  # categories by phase and plot coordinates, by the dry run's rule
 
     # Within a task every allocation precedes every free, so the live bytes of task t are the most the events
     # held during it and the sweep's maximum is the event sequence's peak (equal to the builder's running peak

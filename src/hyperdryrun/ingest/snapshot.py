@@ -19,11 +19,11 @@ import re
 from collections.abc import Hashable
 from typing import Any
 
-from hyperdryrun.engine import StepTrace
 from hyperdryrun.ingest.events import AllocEvent, normalize_device, trace_from_events
-from hyperdryrun.ingest.load import IngestError, user_file
+from hyperdryrun.ingest.files import IngestError, user_file
 from hyperdryrun.trace.blocks import ALIGNMENT, Phase
 from hyperdryrun.trace.stacks import Frame
+from hyperdryrun.trace.step import StepTrace
 
 RESIDENT_OP = "resident before trace"
 ACTIVE_STATES = frozenset({"active_allocated"})

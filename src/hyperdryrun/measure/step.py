@@ -25,7 +25,6 @@ from hyperdryrun.engine import (
     ParallelizeFn,
     SimulationError,
     StepFn,
-    StepTrace,
     default_optimizer,
     micro_batch_step,
     resolve_step,
@@ -33,13 +32,8 @@ from hyperdryrun.engine import (
 from hyperdryrun.ingest.events import trace_from_events
 from hyperdryrun.ingest.profiler import events_from_profiler, mark, mark_micro_batch, resident_events
 from hyperdryrun.trace.blocks import STEP_PHASES, Category, Phase, live_bytes_by_task
-from hyperdryrun.trace.tracker import (
-    ModuleStats,
-    clean_fqn,
-    local_tensor,
-    resident_tensors,
-    unique_storage_bytes,
-)
+from hyperdryrun.trace.step import ModuleStats, StepTrace
+from hyperdryrun.trace.tensors import clean_fqn, local_tensor, resident_tensors, unique_storage_bytes
 from hyperdryrun.world import SimulatedWorld
 
 FAKE_PG_LIMITATION = (

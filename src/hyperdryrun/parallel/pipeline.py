@@ -19,6 +19,7 @@ from torch import nn
 
 from hyperdryrun.config import V_SCHEDULES, JobConfig
 from hyperdryrun.trace.blocks import Category
+from hyperdryrun.trace.tracker import active_tracker
 from hyperdryrun.world.patches import Patch, PatchSet
 
 
@@ -118,13 +119,6 @@ def stage_io_examples(cfg: JobConfig, stage: int, tp_mesh: Any) -> tuple[tuple, 
     return inputs, (logits,), None
 
 
-def _active_tracker() -> Any:
-    """The memory tracker of the active (tracking) fake mode, if any."""
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-    tracker = getattr(mode, "tracker", None)
-    return tracker if tracker is not None and tracker.active else None
-
-
 def _stage_class() -> type:
     from torch.distributed.pipelining import PipelineStage
 
@@ -133,7 +127,7 @@ def _stage_class() -> type:
         buffers (one per micro batch, allocated by torch 2.13 at the first step and kept) as ``Other``."""
 
         def _label(self, mb: int) -> None:
-            tracker = _active_tracker()
+            tracker = active_tracker()
             if tracker is not None:
                 tracker.micro_batch = mb
             elif torch.autograd.profiler._is_profiler_enabled:  # hyperdryrun measure: the profiler's marker
@@ -142,7 +136,7 @@ def _stage_class() -> type:
                 mark_micro_batch(mb)
 
         def _mark_buffers(self, infos: Any) -> None:
-            tracker = _active_tracker()
+            tracker = active_tracker()
             if tracker is None:
                 return
             for recv in infos.values():
@@ -281,7 +275,7 @@ class LlamaPipeline:
         tokens = torch.cat([b[0] for b in micro])
         labels = torch.cat([b[1] for b in micro])
         del micro
-        tracker = _active_tracker()
+        tracker = active_tracker()
         if tracker is not None:  # the batch, like the engine's micro batches, is input data: "Other"
             tracker.mark(tokens, Category.OTHER)
             tracker.mark(labels, Category.OTHER)

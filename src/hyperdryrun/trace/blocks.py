@@ -109,3 +109,39 @@ def live_bytes_by_task(blocks: list[Block], num_tasks: int) -> list[int]:
         cur += delta[t]
         live.append(cur)
     return live
+
+
+DEFAULT_CATEGORY = {
+    Phase.INITIALIZATION: Category.OTHER,
+    Phase.FORWARD: Category.ACTIVATION,
+    Phase.RECOMPUTE: Category.ACTIVATION,
+    Phase.BACKWARD: Category.TEMP,
+    Phase.OPTIMIZER: Category.TEMP,
+}
+"""Category of a block no role was observed for, by the phase that allocated it."""
+
+
+def finalize_blocks(blocks: list[Block]) -> list[Block]:
+    """Fill in, in place, the category of blocks without one (:data:`DEFAULT_CATEGORY`) and every block's plot
+    coordinates; returns ``blocks``. The dry run and every ingested source finish their blocks with this one rule.
+
+    Plot coordinates spread the events of one task over ``(task, task + 1)``: the frees recorded at a task first
+    (they happened before its allocations), then its allocations, each group in block order.
+    """
+    events: dict[int, list[tuple[Block, bool]]] = {}
+    for blk in blocks:
+        if blk.category is None:
+            blk.category = DEFAULT_CATEGORY[blk.phase]
+        events.setdefault(blk.start, []).append((blk, True))
+    for blk in sorted((b for b in blocks if not b.persistent), key=lambda b: (b.end, b.id)):
+        events.setdefault(blk.end, []).append((blk, False))
+    for task, evs in events.items():
+        evs.sort(key=lambda e: (e[1], e[0].id))
+        n = len(evs)
+        for k, (blk, is_alloc) in enumerate(evs, start=1):
+            coord = round(task + k / (n + 1), 12)
+            if is_alloc:
+                blk.start_plot = coord
+            else:
+                blk.end_plot = coord
+    return blocks

@@ -8,8 +8,6 @@ from types import FrameType
 
 import torch
 
-import hyperdryrun
-
 MAX_FRAMES = 64
 
 
@@ -17,7 +15,7 @@ def _dir(module_file: str) -> str:
     return os.path.dirname(os.path.abspath(module_file)) + os.sep
 
 
-_PKG = _dir(hyperdryrun.__file__)
+_PKG = _dir(os.path.dirname(os.path.abspath(__file__)))  # hyperdryrun/, the parent of this file's trace/
 _OWN_USER_CODE = (_PKG + "models" + os.sep,)  # the built-in recipe's model code is user code there
 _TORCH = _dir(torch.__file__)
 _LAUNCHERS = os.path.join(sys.prefix, "bin") + os.sep  # console-script entry points

@@ -20,24 +20,32 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.autograd.graph import register_multi_grad_hook
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import (
     ADDRESS_BASE,
     ALIGNMENT,
     Block,
     Category,
     Phase,
+    finalize_blocks,
     round_size,
     stronger,
 )
+from hyperdryrun.trace.modules import ModuleHooks
 from hyperdryrun.trace.stacks import StackTable
+from hyperdryrun.trace.step import ModuleStats
+from hyperdryrun.trace.tensors import (
+    clean_fqn,
+    iter_tensors,
+    local_tensor,
+    optimizer_state_tensors,
+    unique_storage_bytes,
+)
 
 _aten = torch.ops.aten
-_METADATA_OPS = {
+METADATA_OPS = {
     torch.ops.prim.device.default,
     _aten.sym_size.default,
     _aten.sym_size.int,
@@ -49,105 +57,17 @@ _METADATA_OPS = {
     _aten.is_same_size.default,
     _aten._has_compatible_shallow_copy_type.default,
 }
+"""Ops that only read a tensor's metadata: never an allocation or a use of its memory, so never a task."""
 RESIZE_OP = "storage.resize_"
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
-def clean_fqn(name: str) -> str:
-    """A module's FQN as the user wrote it: activation-checkpoint wrappers removed, ``<root>`` for the model."""
-    return (
-        name.replace("._checkpoint_wrapped_module", "").replace("_checkpoint_wrapped_module", "") or "<root>"
-    )
+_active: MemoryTracker | None = None
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor behind a DTensor (or the tensor itself)."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if inner is not None else t
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors in an op's args/outputs: aten schemas nest at most lists inside tuples/dicts."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            if isinstance(x, torch.Tensor):
-                yield x
-            elif isinstance(x, (list, tuple, dict)):
-                yield from iter_tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from iter_tensors(x)
-
-
-def unique_storage_bytes(obj: Any, alignment: int) -> int:
-    """Bytes of the distinct storages behind the tensors in ``obj`` (DTensors counted by their local shard)."""
-
-    seen, total = set(), 0
-    for leaf in tree_leaves(obj):
-        if isinstance(leaf, torch.Tensor):
-            st = local_tensor(leaf).untyped_storage()
-            if id(st) not in seen:
-                seen.add(id(st))
-                total += round_size(st.nbytes(), alignment)
-    return total
-
-
-def optimizer_state_tensors(opt: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(param, state tensor)`` for the optimizer's device state.
-
-    torch 2.13 Adam/AdamW/SGD keep ``state["step"]`` as a host (CPU) scalar unless the group is ``fused`` or
-    ``capturable``; on a CUDA target it takes no device memory, so it is left out (on a CPU simulation device it
-    would otherwise be indistinguishable from device state).
-    """
-    for group in opt.param_groups:
-        host_step = not (group.get("fused") or group.get("capturable"))
-        for p in group["params"]:
-            for key, v in opt.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and not (key == "step" and host_step and v.dim() == 0):
-                    yield p, v
-
-
-def resident_tensors(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> Iterator[tuple[torch.Tensor, Category, str]]:
-    """What exists before a step, as ``(rank-local tensor, category, owning module FQN)``: parameters, leftover
-    gradients, buffers and optimizer states, each owned by the module that holds it (so "which module holds the
-    peak" counts its weights too). The dry run seeds these as blocks; a measured run as resident storages."""
-    owners: dict[int, str] = {}
-    for name, mod in model.named_modules(remove_duplicate=True):
-        fqn = clean_fqn(name)
-        for p in mod.parameters(recurse=False):
-            if id(p) in owners:
-                continue
-            owners[id(p)] = fqn
-            yield local_tensor(p), Category.PARAMETER, fqn
-            if p.grad is not None:
-                yield local_tensor(p.grad), Category.GRADIENT, fqn
-        for b in mod.buffers(recurse=False):
-            yield b, Category.BUFFER, fqn
-    for p, v in optimizer_state_tensors(optimizer):
-        yield local_tensor(v), Category.OPTSTATE, owners.get(id(p), "")
-
-
-class ModuleStats:
-    __slots__ = (
-        "fqn",
-        "param_bytes",
-        "buffer_bytes",
-        "input_bytes",
-        "output_bytes",
-        "fw_peak",
-        "bw_peak",
-        "calls",
-    )
-
-    def __init__(self, fqn: str) -> None:
-        self.fqn = fqn
-        self.param_bytes = self.buffer_bytes = self.input_bytes = self.output_bytes = 0
-        self.fw_peak = self.bw_peak = 0
-        self.calls = 0
+def active_tracker() -> MemoryTracker | None:
+    """The tracker recording the step being traced now (between its ``start()`` and ``stop()``), else None."""
+    return _active
 
 
 class MemoryTracker:
@@ -182,8 +102,9 @@ class MemoryTracker:
         self._fqn: dict[int, str] = {}
         self._hooked_params: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._handles: list[Any] = []
-        self._modtracker: _ModuleHooks | None = None
-        self._orig_resize = None
+        self._modtracker: ModuleHooks | None = None
+        self._patches: PatchSet | None = None
+        self._outer: MemoryTracker | None = None
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, root: torch.nn.Module | None = None) -> None:
@@ -194,21 +115,27 @@ class MemoryTracker:
                 stats = self.modules.setdefault(self._fqn[id(mod)], ModuleStats(self._fqn[id(mod)]))
                 stats.param_bytes = unique_storage_bytes(list(mod.parameters()), self.alignment)
                 stats.buffer_bytes = unique_storage_bytes(list(mod.buffers()), self.alignment)
-        self._modtracker = _ModuleHooks(self._pre_fw, self._post_fw, self._pre_bw, self._post_bw)
+        self._modtracker = ModuleHooks(self._pre_fw, self._post_fw, self._pre_bw, self._post_bw)
         self._modtracker.__enter__()
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles.append(register_optimizer_step_pre_hook(self._pre_opt))
         self._handles.append(register_optimizer_step_post_hook(self._post_opt))
-        self._patch_resize()
+        self._patches = PatchSet([self._resize_patch()])
+        self._patches.__enter__()
+        global _active
+        self._outer, _active = _active, self
         self.active = True
 
     def stop(self) -> None:
         """Stop recording and remove every hook and patch (idempotent, safe after an exception)."""
+        global _active
         self.active = False
-        if self._orig_resize is not None:
-            torch.UntypedStorage.resize_ = self._orig_resize
-            self._orig_resize = None
+        if _active is self:
+            _active, self._outer = self._outer, None
+        if self._patches is not None:
+            self._patches.__exit__()
+            self._patches = None
         if self._modtracker is not None:
             self._modtracker.__exit__(None, None, None)
             self._modtracker = None
@@ -216,11 +143,8 @@ class MemoryTracker:
             h.remove()
         self._handles.clear()
 
-    def _patch_resize(self) -> None:
-        # torch 2.13: UntypedStorage.resize_ (FSDP2's unshard/reshard, _fsdp_param.alloc_storage/free_storage)
-        # is a direct C++ call that never reaches a dispatch mode, so it is wrapped here for the tracked span.
+    def _resize_patch(self) -> Patch:
         orig = torch.UntypedStorage.resize_
-        self._orig_resize = orig
         tracker = self
 
         def resize_(st: torch.UntypedStorage, size: int):
@@ -237,7 +161,13 @@ class MemoryTracker:
                     tracker._flush()
             return out
 
-        torch.UntypedStorage.resize_ = resize_
+        return Patch(
+            torch.UntypedStorage,
+            "resize_",
+            resize_,
+            reason="torch 2.13 UntypedStorage.resize_ (FSDP2's unshard/reshard: FSDPParam.alloc_storage and "
+            "free_storage) is a direct C++ call that never reaches a dispatch mode; wrapped for the tracked span.",
+        )
 
     # ----------------------------------------------------------------- phases and roles
     def phase(self) -> Phase:
@@ -300,7 +230,7 @@ class MemoryTracker:
             # ``contiguous``, ``reshape``) reaches the mode undecomposed below autograd (e.g. torch 2.13's context
             # parallel ring) and then copies: it is tracked, and the input-storage check keeps its aliasing
             # outputs from counting.
-            skip = func in _METADATA_OPS or (
+            skip = func in METADATA_OPS or (
                 bool(getattr(func, "is_view", False))
                 and not torch._C._dispatch_has_kernel_for_dispatch_key(
                     func.name(), "CompositeImplicitAutograd"
@@ -573,125 +503,9 @@ class MemoryTracker:
         return list(self._live.values())
 
     def finalize(self) -> list[Block]:
-        """Fill in default categories and plot coordinates; returns the blocks in allocation order."""
-        default = {
-            Phase.INITIALIZATION: Category.OTHER,
-            Phase.FORWARD: Category.ACTIVATION,
-            Phase.RECOMPUTE: Category.ACTIVATION,
-            Phase.BACKWARD: Category.TEMP,
-            Phase.OPTIMIZER: Category.TEMP,
-        }
-        events: dict[int, list[tuple[Block, bool]]] = {}
-        for blk in self.blocks:
-            if blk.category is None:
-                blk.category = default[blk.phase]
-            events.setdefault(blk.start, []).append((blk, True))
-        for blk in sorted((b for b in self.blocks if not b.persistent), key=lambda b: (b.end, b.id)):
-            events.setdefault(blk.end, []).append((blk, False))
-        for task, evs in events.items():
-            # Frees recorded at ``task`` happened before its allocations.
-            evs.sort(key=lambda e: (e[1], e[0].id))
-            n = len(evs)
-            for k, (blk, is_alloc) in enumerate(evs, start=1):
-                coord = round(task + k / (n + 1), 12)
-                if is_alloc:
-                    blk.start_plot = coord
-                else:
-                    blk.end_plot = coord
-        return self.blocks
-
-
-class _ModuleHooks:
-    """Forward and backward entry/exit of every module: the hook protocol of torch 2.13's
-    ``torch.distributed._tools.mod_tracker.ModTracker``, without importing ``torch.distributed._tools`` (whose package
-    import pulls in the runtime estimator and inductor, about a second of every run's start-up) and without the FQN
-    and parent bookkeeping the tracker does not use.
-
-    ``pre_fw(mod, inputs)`` / ``post_fw(mod, inputs, outputs)`` run as global module forward hooks;
-    ``pre_bw(mod, grad_outputs)`` runs when the first gradient of the module's outputs arrives (a multi-grad hook in
-    ``any`` mode), ``post_bw(mod, grad_inputs)`` when all gradients of its inputs are computed, or at the end of the
-    backward pass for a module with no input requiring grad. ``mod`` is ``None`` if the module died meanwhile.
-    """
-
-    def __init__(self, pre_fw: Any, post_fw: Any, pre_bw: Any, post_bw: Any) -> None:
-        self._pre_fw, self._post_fw, self._pre_bw, self._post_bw = pre_fw, post_fw, pre_bw, post_bw
-        self._post_bw_at_end: list[Any] = []
-        self._has_callback = False
-        self._handles: list[Any] = []
-
-    @staticmethod
-    def _compiling() -> bool:
-        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-        return eval_frame is not None and eval_frame._is_in_optimized_module()
-
-    def _engine_callback(self) -> None:
-        # As ModTracker: queue the deferred post-backward hooks once per backward pass (no concurrent backwards).
-        if self._has_callback:
-            return
-        queue = torch.autograd.Variable._execution_engine.queue_callback
-        for fn in reversed(self._post_bw_at_end):
-            queue(fn)
-        self._post_bw_at_end.clear()
-
-        def done() -> None:
-            self._has_callback = False
-
-        queue(done)
-        self._has_callback = True
-
-    def _enter_bw(self, w_mod: weakref.ref) -> Any:
-        def fn(*grads: Any) -> None:
-            self._engine_callback()
-            self._pre_bw(w_mod(), grads)
-
-        return fn
-
-    def _exit_bw(self, w_mod: weakref.ref) -> Any:
-        def fn(*grads: Any) -> None:
-            self._post_bw(w_mod(), grads)
-
-        return fn
-
-    def _fw_pre_hook(self, mod: torch.nn.Module, inputs: Any) -> None:
-        if self._compiling():
-            return
-        self._pre_fw(mod, inputs)
-        if torch._C._current_graph_task_id() != -1:
-            return
-        tensors = [a for a in tree_leaves(inputs) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if tensors:
-            # mode="any": the module's backward is taken as done at its first input gradient. torch's own
-            # ModTracker waits for all of them (mode="all"), but that hook holds the inputs' autograd nodes in a
-            # closure registered on those same nodes: a reference cycle that keeps graphs (and their saved tensors)
-            # alive until the garbage collector runs. Under schedules that split the backward (zero-bubble, whose
-            # weight-gradient pass frees the graph later) that kept every micro batch's activations into the
-            # optimizer step. Modules with several inputs that require grad get their backward peak a little
-            # early; memory is what the real run holds.
-            register_multi_grad_hook(tensors, self._exit_bw(weakref.ref(mod)), mode="any")
-        else:
-            self._post_bw_at_end.append(self._exit_bw(weakref.ref(mod)))
-
-    def _fw_post_hook(self, mod: torch.nn.Module, inputs: Any, outputs: Any) -> None:
-        if self._compiling():
-            return
-        self._post_fw(mod, inputs, outputs)
-        if torch._C._current_graph_task_id() != -1:
-            return
-        tensors = [a for a in tree_leaves(outputs) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if tensors:
-            register_multi_grad_hook(tensors, self._enter_bw(weakref.ref(mod)), mode="any")
-
-    def __enter__(self) -> _ModuleHooks:
-        self._handles = [
-            register_module_forward_pre_hook(self._fw_pre_hook),
-            register_module_forward_hook(self._fw_post_hook, always_call=True),
-        ]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        """Fill in default categories and plot coordinates (:func:`~hyperdryrun.trace.blocks.finalize_blocks`);
+        returns the blocks in allocation order."""
+        return finalize_blocks(self.blocks)
 
 
 class _Label:

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyperdryrun.trace.blocks import ALIGNMENT, round_size
-from hyperdryrun.trace.tracker import _METADATA_OPS, iter_tensors
+from hyperdryrun.trace.tracker import METADATA_OPS, iter_tensors
 
 SCHEMA_VERSION = 1
 
@@ -55,7 +55,7 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _METADATA_OPS or getattr(func, "is_view", False):
+        if func in METADATA_OPS or getattr(func, "is_view", False):
             return out
         inputs = {id(t.untyped_storage()) for t in iter_tensors(args)}
         inputs.update(id(t.untyped_storage()) for t in iter_tensors(kwargs))

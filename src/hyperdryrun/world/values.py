@@ -28,6 +28,8 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hyperdryrun.trace.tracker import active_tracker
+
 ROUTING_OP = "moe.token_counts"
 """The value point of MoE routing: tokens per expert of one rank's micro batch."""
 ROUTING_HANDLERS = ("balanced", "hotspot", "explicit")
@@ -166,16 +168,15 @@ def _missing(op: str, module: str, example: str, what: str, raised: str = "") ->
 
 
 def _current_module() -> str:
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-    tracker = getattr(mode, "tracker", None)
-    return tracker.module() if tracker is not None and getattr(tracker, "active", False) else ""
+    tracker = active_tracker()
+    return tracker.module() if tracker is not None else ""
 
 
 def _raising_module(err: BaseException, root: torch.nn.Module | None) -> str:
     """FQN under ``root`` of the innermost module whose ``forward`` is on the traceback of ``err``."""
     if root is None:
         return ""
-    from hyperdryrun.trace.tracker import clean_fqn
+    from hyperdryrun.trace.tensors import clean_fqn
 
     names = {id(m): name for name, m in root.named_modules()}
     found = ""

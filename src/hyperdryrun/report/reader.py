@@ -1,99 +1,34 @@
-"""Open any memory picture by what it is: a HyperDryRun JSON report (with its CSV beside it), a memory-block CSV,
-a profiler Chrome trace (``.json`` / ``.json.gz``) or a CUDA snapshot pickle.
+"""Read memory pictures back: a HyperDryRun JSON report (with its CSV beside it), a memory-block CSV, or through
+:mod:`hyperdryrun.ingest` a profiler Chrome trace (``.json`` / ``.json.gz``) or a CUDA snapshot pickle.
 
-Every failure is one :class:`IngestError` whose message is one line naming the file and what is wrong; loading
-never writes anything.
+Every failure is one :class:`~hyperdryrun.ingest.files.IngestError` whose message is one line naming the file and
+what is wrong; loading never writes anything.
 """
 
 from __future__ import annotations
 
 import csv
-import gzip
 import io
-import json
 import os
-import pickle
-import sysconfig
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hyperdryrun.engine import StepTrace
-
-PICKLE_MAGIC = b"\x80"
-_STDLIB = sysconfig.get_paths()["stdlib"].replace("\\", "/").rstrip("/") + "/"
-GZIP_MAGIC = b"\x1f\x8b"
-
-
-class IngestError(ValueError):
-    """A file that cannot be read as a memory picture: ``<file>: <what is wrong>`` on one line."""
-
-    def __init__(self, source: str | os.PathLike, problem: str) -> None:
-        super().__init__(f"{source}: {' '.join(str(problem).split())}")
-        self.source, self.problem = str(source), problem
-
-
-def user_file(filename: str) -> bool:
-    """Whether a recorded frame's file is user code (not torch, the interpreter, C++ or hyperdryrun machinery).
-
-    Traces store paths relative to ``sys.path`` entries (``torch/nn/modules/module.py``) or absolute ones.
-    """
-    f = filename.replace("\\", "/")
-    if os.path.isabs(f) and f.startswith(_STDLIB) and "-packages/" not in f:
-        return False
-    if f and not os.path.isabs(f) and os.path.exists(_STDLIB + f):
-        return False  # traces name files relative to their sys.path entry: one found in the stdlib is
-    if not f or f.startswith(("<", "??")) or f.endswith((".cpp", ".h", ".cu", ".cc", ".hpp")):
-        return False
-    if f.startswith("torch/") or "/torch/" in f or "/_pytest/" in f or "/pluggy/" in f:
-        return False
-    if f.startswith("hyperdryrun/") or "/hyperdryrun/" in f:
-        return "hyperdryrun/models/" in f
-    return True
-
-
-class _NoObjects(pickle.Unpickler):
-    """A snapshot is dicts, lists, strings and numbers: refuse any class, so a foreign pickle runs no code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"it references {module}.{name}")
-
-
-def _read_bytes(path: Path) -> bytes:
-    if not path.exists():
-        raise IngestError(path, "no such file")
-    if path.is_dir():
-        raise IngestError(path, "is a directory, not a file")
-    try:
-        return path.read_bytes()
-    except OSError as err:
-        raise IngestError(path, f"cannot read: {err.strerror or err}") from None
-
-
-def _json(path: Path, raw: bytes) -> Any:
-    if raw[:2] == GZIP_MAGIC:
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as err:
-            raise IngestError(path, f"corrupt gzip data ({err})") from None
-    if not raw.strip():
-        raise IngestError(path, "empty file")
-    try:
-        return json.loads(raw)
-    except UnicodeDecodeError:
-        raise IngestError(path, "not UTF-8 text (neither JSON nor CSV)") from None
-    except json.JSONDecodeError as err:
-        raise IngestError(
-            path, f"invalid or truncated JSON at line {err.lineno} column {err.colno}"
-        ) from None
-
-
-def _snapshot(path: Path, raw: bytes) -> Any:
-    try:
-        return _NoObjects(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as err:
-        raise IngestError(path, f"not a CUDA memory snapshot pickle ({err})") from None
+from hyperdryrun.ingest.chrome import trace_from_chrome
+from hyperdryrun.ingest.events import FrameTable
+from hyperdryrun.ingest.files import (
+    GZIP_MAGIC,
+    PICKLE_MAGIC,
+    IngestError,
+    read_bytes,
+    read_json,
+    read_snapshot,
+)
+from hyperdryrun.ingest.snapshot import trace_from_snapshot
+from hyperdryrun.report.build import block_record
+from hyperdryrun.report.schema import CSV_COLUMNS, JSON_KEYS
+from hyperdryrun.trace.blocks import PERSISTENT_END, Block, Category, Phase, live_bytes_by_task
+from hyperdryrun.trace.step import StepTrace
 
 
 def _is_report(data: Any) -> bool:
@@ -109,9 +44,6 @@ def _is_chrome(data: Any) -> bool:
 def load_report(path: Path, data: dict[str, Any]) -> dict[str, Any]:
     """A report dict; with its CSV beside it, ``peak_live_set`` holds every block alive at the peak (from the CSV,
     checked against the JSON's peak) so a comparison sees the whole live set, not the first ``live_set_limit``."""
-    from hyperdryrun.report.build import block_record
-    from hyperdryrun.report.schema import JSON_KEYS
-
     if data.get("status") == "error":
         err = data.get("error") or {}
         raise IngestError(path, f"an error report (stage {data.get('stage')}: {err.get('message', '?')})")
@@ -149,7 +81,7 @@ def load_report(path: Path, data: dict[str, Any]) -> dict[str, Any]:
 def load_csv(path: Path, text: str | None = None) -> StepTrace:
     """A memory-block CSV alone -> StepTrace (see :func:`trace_from_csv`)."""
     if text is None:
-        raw = _read_bytes(path)
+        raw = read_bytes(path)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -173,10 +105,6 @@ def trace_from_csv(rows: Iterable[list[str]], source: str) -> StepTrace:
     (a phase peak at such a task may land in the phase before); per-module statistics and micro batches are not in
     the CSV and stay empty / 0.
     """
-    from hyperdryrun.ingest.events import FrameTable
-    from hyperdryrun.report.schema import CSV_COLUMNS
-    from hyperdryrun.trace.blocks import PERSISTENT_END, Block, Category, Phase, live_bytes_by_task
-
     it = iter(rows)
     header = next(it, None)
     if header is None:
@@ -262,21 +190,17 @@ def load_any(path: str | os.PathLike, device: str | None = None) -> StepTrace | 
     ``device`` picks one device of a multi-device trace or snapshot (default: the accelerator with most events).
     """
     p = Path(path)
-    raw = _read_bytes(p)
+    raw = read_bytes(p)
     if not raw:
         raise IngestError(p, "empty file")
     if raw[:1] == PICKLE_MAGIC:
-        from hyperdryrun.ingest.snapshot import trace_from_snapshot
-
-        return trace_from_snapshot(_snapshot(p, raw), str(p), device)
+        return trace_from_snapshot(read_snapshot(p, raw), str(p), device)
     head = raw.lstrip()[:1]
     if raw[:2] == GZIP_MAGIC or head in (b"{", b"["):
-        data = _json(p, raw)
+        data = read_json(p, raw)
         if _is_report(data):
             return load_report(p, data)
         if _is_chrome(data):
-            from hyperdryrun.ingest.chrome import trace_from_chrome
-
             return trace_from_chrome(data, str(p), device)
         raise IngestError(p, "JSON that is neither a HyperDryRun report nor a Chrome trace")
     try:

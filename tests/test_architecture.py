@@ -1,0 +1,270 @@
+"""The import layering of src/hyperdryrun: no import cycles, and no import upward against the layer order in
+docs/ARCHITECTURE.md ("## Layers"). Module-level and function-level imports count alike."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PACKAGE = "hyperdryrun"
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+
+# Imports that go against the layer order or close a cycle, each in a file another change owns: (importer,
+# imported) -> what it is and how its owner can remove it. test_exceptions_are_still_needed fails on an entry that
+# no longer occurs or no longer breaks a rule, so the list only shrinks.
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    # world -> report, upward: the kernel audit's --record writes its reference JSON with report.writer's
+    # atomic_write. Owner of world/audit.py: write it from commands/audit_kernels.py, or move atomic_write down.
+    ("hyperdryrun.world.audit", "hyperdryrun.report.writer"): "upward",
+    # recipe -> the package root, upward: `from hyperdryrun import __version__` for the job metadata. Owner of
+    # recipe.py: importlib.metadata.version("hyperdryrun"), or __version__ in a leaf module both import.
+    ("hyperdryrun.recipe", "hyperdryrun"): "upward",
+    # A cycle: parallel/__init__.py imports NoParallel from parallel.expert (inside a function), which imports
+    # DTYPES, apply_ac, fsdp_enabled and apply_tp from parallel/__init__.py. Owner of parallel/: NoParallel into
+    # __init__.py, or the shared helpers into a module both import.
+    ("hyperdryrun.parallel", "hyperdryrun.parallel.expert"): "cycle",
+}
+
+
+def module_files(src: Path, package: str) -> dict[str, Path]:
+    """Every module of ``package`` under ``src`` by dotted name (a package by its ``__init__.py``)."""
+    modules = {}
+    for path in sorted((src / package).rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph(src: Path, package: str) -> dict[str, set[str]]:
+    """``module -> modules of the package it imports``, from every import statement anywhere in its file.
+
+    ``from a import b`` is an import of module ``a.b`` when that is a module, else of ``a``.
+    """
+    modules = module_files(src, package)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, is_package, node)
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.add(sub if sub in modules else base)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted, in sorted order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def parse_layers(markdown: str) -> list[str]:
+    """The layer order of the ``## Layers`` section, lowest first: the first backticked name of each list item."""
+    match = re.search(r"^## Layers\s*$(.*?)(?=^## |\Z)", markdown, re.M | re.S)
+    if match is None:
+        raise ValueError("no '## Layers' section")
+    layers = re.findall(r"^\s*(?:\d+\.|[-*])\s+`([\w.]+)`", match[1], re.M)
+    if not layers:
+        raise ValueError("the '## Layers' section lists no `layer`")
+    return layers
+
+
+def layer_of(module: str, package: str, layers: list[str]) -> int:
+    """Index of the layer holding ``module``: the longest layer name that is it or a package above it
+    (``package`` itself is named as such, the rest relative to it)."""
+    rel = module[len(package) + 1 :] if module != package else package
+    best = -1
+    for i, name in enumerate(layers):
+        if (rel == name or rel.startswith(name + ".")) and (best < 0 or len(name) > len(layers[best])):
+            best = i
+    if best < 0:
+        raise ValueError(f"module {module} is in no layer of the '## Layers' section")
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]], package: str, layers: list[str]) -> list[tuple[str, str]]:
+    """``(importer, imported)`` for every import of a module in a higher layer than the importer's."""
+    return sorted(
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        if layer_of(b, package, layers) > layer_of(a, package, layers)
+    )
+
+
+def without(graph: dict[str, set[str]], edges: object) -> dict[str, set[str]]:
+    """``graph`` less the ``(importer, imported)`` pairs in ``edges``."""
+    return {a: {b for b in targets if (a, b) not in edges} for a, targets in graph.items()}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph(SRC, PACKAGE)
+
+
+@pytest.fixture(scope="module")
+def layers() -> list[str]:
+    return parse_layers(ARCHITECTURE.read_text())
+
+
+def test_no_import_cycles(graph):
+    assert import_cycles(without(graph, EXCEPTIONS)) == []
+
+
+def test_every_module_is_in_a_layer(graph, layers):
+    for module in graph:
+        layer_of(module, PACKAGE, layers)  # raises, naming the module
+    assert len(set(layers)) == len(layers), f"a layer is listed twice: {layers}"
+
+
+def test_no_import_goes_up_a_layer(graph, layers):
+    assert upward_imports(without(graph, EXCEPTIONS), PACKAGE, layers) == []
+
+
+def test_ingest_reads_only_the_traced_step(graph):
+    outside = sorted(
+        (a, b)
+        for a, targets in graph.items()
+        if a.startswith(f"{PACKAGE}.ingest")
+        for b in targets
+        if not b.startswith((f"{PACKAGE}.ingest", f"{PACKAGE}.trace"))
+    )
+    assert outside == []
+
+
+def test_exceptions_are_still_needed(graph, layers):
+    upward = set(upward_imports(graph, PACKAGE, layers))
+    in_cycle = {frozenset(c) for c in import_cycles(graph)}
+    for (a, b), kind in EXCEPTIONS.items():
+        assert b in graph.get(a, ()), f"{a} no longer imports {b}: remove the exception"
+        if kind == "upward":
+            assert (a, b) in upward, f"{a} -> {b} is no longer upward: remove the exception"
+        else:
+            assert any({a, b} <= c for c in in_cycle), f"{a} -> {b} closes no cycle: remove the exception"
+
+
+# ---------------------------------------------------------------- the checker itself, on a fake package
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / "pkg" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+FAKE_LAYERS = """# Fake
+## Layers
+1. `low`: the bottom
+2. `mid.special`: a module in a layer of its own, below the rest of its package
+3. `mid`: the rest of the package
+- `high`: the top
+- `pkg`: the package's own __init__
+
+## Next section
+1. `ignored`: not a layer
+"""
+
+
+def test_parse_layers_reads_only_its_section():
+    assert parse_layers(FAKE_LAYERS) == ["low", "mid.special", "mid", "high", "pkg"]
+    with pytest.raises(ValueError, match="no '## Layers' section"):
+        parse_layers("# Architecture\n## Other\n1. `low`\n")
+
+
+def test_checker_finds_a_cycle_through_a_function_level_and_a_relative_import(tmp_path):
+    src = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "low/__init__.py": "",
+            "low/a.py": "from pkg.low import b\n",
+            "low/b.py": "def f():\n    from .c import x\n",
+            "low/c.py": "import pkg.low.a as a\nx = 1\n",
+            "low/d.py": "from pkg.low.a import something\n",
+        },
+    )
+    graph = import_graph(src, "pkg")
+    assert graph["pkg.low.a"] == {"pkg.low.b"}  # `from pkg.low import b`: the module pkg.low.b
+    assert graph["pkg.low.b"] == {"pkg.low.c"}
+    assert graph["pkg.low.d"] == {"pkg.low.a"}  # `from pkg.low.a import something`: pkg.low.a
+    assert import_cycles(graph) == [["pkg.low.a", "pkg.low.b", "pkg.low.c"]]
+    assert import_cycles(without(graph, {("pkg.low.b", "pkg.low.c")})) == []
+
+
+def test_checker_finds_an_upward_import(tmp_path):
+    src = _package(
+        tmp_path,
+        {
+            "__init__.py": "from pkg import high\n",
+            "low.py": "def f():\n    import pkg.high\n",
+            "mid/__init__.py": "",
+            "mid/special.py": "from pkg import low\nfrom pkg.mid import other\n",
+            "mid/other.py": "from pkg.mid import special\n",
+            "high.py": "from pkg import low\nfrom pkg.mid.special import y\n",
+        },
+    )
+    layers = parse_layers(FAKE_LAYERS)
+    assert [layer_of(m, "pkg", layers) for m in ("pkg.low", "pkg.mid.special", "pkg.mid.other", "pkg")] == [
+        0,
+        1,
+        2,
+        4,
+    ]
+    with pytest.raises(ValueError, match="module pkg.stray is in no layer"):
+        layer_of("pkg.stray", "pkg", layers)
+    graph = import_graph(src, "pkg")
+    assert upward_imports(graph, "pkg", layers) == [
+        ("pkg.low", "pkg.high"),
+        ("pkg.mid.special", "pkg.mid.other"),
+    ]
