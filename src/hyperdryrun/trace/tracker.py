@@ -49,6 +49,7 @@ _METADATA_OPS = {
     _aten.is_same_size.default,
     _aten._has_compatible_shallow_copy_type.default,
 }
+METADATA_OPS = _METADATA_OPS
 RESIZE_OP = "storage.resize_"
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
