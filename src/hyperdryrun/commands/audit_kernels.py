@@ -1,15 +1,19 @@
 """``hyperdryrun audit-kernels``: where CPU kernels differ from CUDA's and how the dry run follows CUDA.
 
-Prints the audited ``DIFFERENCES`` table; with ``--reference FILE`` (a record made on fake "cuda" by a CUDA build of
-torch, ``python -m hyperdryrun.world.audit --record FILE``) it re-runs the audit on this machine's simulation device
-and exits 1 if any layer's ops, new storages or saved tensors differ.
+Prints the audited ``DIFFERENCES`` table. ``--reference FILE`` re-runs the kernel audit (:mod:`hyperdryrun.audit`) on
+this machine's simulation device against a reference and exits 1 if any layer's ops, new storages or saved tensors
+differ; ``--record FILE`` makes such a reference, on the CUDA wheel of torch (fake "cuda" tensors, no GPU needed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Any
+
+from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
 
 
 def register(subparsers: Any) -> None:
@@ -18,20 +22,33 @@ def register(subparsers: Any) -> None:
         "audit-kernels",
         help="show the CPU-vs-CUDA kernel differences the dry run models; --reference re-checks them",
     )
-    parser.add_argument("--reference", metavar="FILE", help="reference recorded on fake 'cuda' (JSON)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--reference", metavar="FILE", help="compare the simulation device against this reference (JSON)"
+    )
+    source.add_argument(
+        "--record",
+        metavar="FILE",
+        help="record a reference on fake 'cuda' into FILE; needs the CUDA wheel of torch (no GPU)",
+    )
     parser.add_argument(
-        "--layers", nargs="+", metavar="NAME", help="only these layers of the audit catalogue"
+        "--layers",
+        nargs="+",
+        metavar="NAME",
+        help="only these layers of the audit catalogue (with --reference or --record)",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the table; compare against ``args.reference`` when given. 0 ok, 1 mismatch, 2 bad input."""
+    """Print the table, compare against ``--reference`` or record ``--record``. 0 ok, 1 mismatch, 2 bad input."""
+    if args.record:
+        return _record(args)
     from rich.console import Console
     from rich.table import Table
 
-    from hyperdryrun.world.kernels import DEFAULT_CUDA_TARGET, DIFFERENCES
+    from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET, DIFFERENCES
 
     console = Console()
     table = Table(title=f"CPU vs CUDA kernels (target {DEFAULT_CUDA_TARGET.as_dict()})", show_lines=True)
@@ -41,15 +58,14 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(d.layer, d.cpu, d.cuda, d.handling)
     console.print(table)
     if not args.reference:
-        return 0
-    from hyperdryrun.commands import fail as _fail
-    from hyperdryrun.world.audit import compare, load_reference
+        return EXIT_OK
+    from hyperdryrun.audit import compare, load_reference
 
     try:
         reference = load_reference(args.reference)
         result = compare(reference, args.layers)
     except (OSError, ValueError, KeyError) as err:
-        return _fail(f"--reference {args.reference}: {type(err).__name__}: {err}", err, args.debug)
+        return fail(f"--reference {args.reference}: {type(err).__name__}: {err}", err, args.debug)
     results = Table(title=f"audit against {args.reference} ({reference.get('torch_version')})")
     for column in ("layer", "result", "differences"):
         results.add_column(column, overflow="fold")
@@ -62,5 +78,25 @@ def run(args: argparse.Namespace) -> int:
     bad = sorted(name for name, problems in result.items() if problems)
     if bad:
         sys.stderr.write(f"hyperdryrun: audit-kernels: {len(bad)} layer(s) differ: {', '.join(bad)}\n")
-        return 1
-    return 0
+        return EXIT_VERDICT
+    return EXIT_OK
+
+
+def _record(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        return fail(
+            f"--record {args.record}: needs the CUDA wheel of torch (fake 'cuda' tensors, no GPU needed); "
+            f"this is torch {torch.__version__}"
+        )
+    from hyperdryrun.audit import record
+    from hyperdryrun.report.writer import atomic_write
+
+    try:
+        data = record("cuda", "walk", args.layers)
+        atomic_write(Path(args.record), json.dumps(data, indent=1, sort_keys=True) + "\n")
+    except OSError as err:
+        return fail(f"--record {args.record}: {type(err).__name__}: {err}", err, args.debug)
+    print(f"recorded {len(data['layers'])} layers to {args.record}")
+    return EXIT_OK

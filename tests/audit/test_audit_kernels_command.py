@@ -1,4 +1,4 @@
-"""``hyperdryrun audit-kernels``: the table, the comparison against a reference, and its errors."""
+"""``hyperdryrun audit-kernels``: the table, the comparison against a reference, recording one, and its errors."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hyperdryrun.cli import OneLineParser
 from hyperdryrun.commands import audit_kernels
-from hyperdryrun.world.kernels import DIFFERENCES
 
 REFERENCE = Path(__file__).parent / "fixtures" / "cuda_kernels.json"
 
@@ -22,6 +22,8 @@ def run(argv: list[str]) -> int:
 
 
 def test_without_a_reference_it_prints_every_audited_difference(capsys, monkeypatch):
+    from hyperdryrun.world.cuda_target import DIFFERENCES
+
     monkeypatch.setenv("COLUMNS", "2000")  # one table row per line
     assert run([]) == 0
     out = capsys.readouterr().out
@@ -65,14 +67,17 @@ def test_a_reference_that_disagrees_exits_1_naming_the_layer(tmp_path, capsys):
         ('{"schema_version": 99, "layers": {}}', "schema_version=99"),
         ("not json", "JSONDecodeError"),
     ],
+    ids=["missing", "schema", "not-json"],
 )
-def test_a_bad_reference_file_is_a_one_line_error_and_exit_2(tmp_path, capsys, content, expected):
+def test_a_bad_reference_file_is_a_one_line_error_naming_the_flag_and_file_and_exit_2(
+    tmp_path, capsys, content, expected
+):
     path = tmp_path / "ref.json"
     if content is not None:
         path.write_text(content)
     assert run(["--reference", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hyperdryrun: error: --reference ") and expected in err
+    assert err.startswith(f"hyperdryrun: error: --reference {path}: ") and expected in err
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
@@ -80,3 +85,42 @@ def test_an_unknown_layer_is_a_one_line_error(capsys):
     assert run(["--reference", str(REFERENCE), "--layers", "no_such_layer"]) == 2
     err = capsys.readouterr().err
     assert "no_such_layer" in err and err.count("\n") == 1
+
+
+def test_record_and_reference_are_exclusive(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(["--record", "a.json", "--reference", str(REFERENCE)])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="the CPU wheel refuses --record")
+def test_record_on_the_cpu_wheel_says_it_needs_the_cuda_wheel_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "ref.json"
+    assert run(["--record", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hyperdryrun: error: --record {out}: needs the CUDA wheel of torch")
+    assert torch.__version__ in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_record_writes_what_the_audit_records_on_the_cuda_wheel(tmp_path, capsys, monkeypatch):
+    # The CUDA wheel's part (fake "cuda" recording) cannot run here; what the command does around it can: the record
+    # of the named layers is written as sorted, indented JSON, like the shipped fixture.
+    import hyperdryrun.audit as audit
+
+    calls = []
+
+    def fake_record(device, backward, names):
+        calls.append((device, backward, names))
+        return {"schema_version": audit.SCHEMA_VERSION, "layers": {n: {"saved": []} for n in names}}
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(audit, "record", fake_record)
+    out = tmp_path / "sub" / "ref.json"
+    assert run(["--record", str(out), "--layers", "silu_bf16", "gelu_bf16"]) == 0
+    assert calls == [("cuda", "walk", ["silu_bf16", "gelu_bf16"])]
+    assert capsys.readouterr().out.strip() == f"recorded 2 layers to {out}"
+    written = out.read_text()
+    assert json.loads(written)["layers"] == {"gelu_bf16": {"saved": []}, "silu_bf16": {"saved": []}}
+    assert written.startswith('{\n "layers": {\n  "gelu_bf16"') and written.endswith("}\n")
