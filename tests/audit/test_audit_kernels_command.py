@@ -31,6 +31,27 @@ def test_without_a_reference_it_prints_every_audited_difference(capsys, monkeypa
         assert d.layer.split(" (")[0] in out
 
 
+def test_the_titles_name_the_target_the_reference_and_the_simulation_in_words(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "2000")
+    assert run(["--reference", str(REFERENCE), "--layers", "silu_bf16"]) == 0
+    out = capsys.readouterr().out
+    simulated = f"simulated: torch {torch.__version__} on cpu"
+    # the fixture's own fields: torch_version 2.13.0+cu130, cuda_target sm [9, 0], cudnn 92000, cuda 13000
+    assert f"CPU vs CUDA kernels · CUDA target: sm90 (h100-80gb), cuDNN 9.20, CUDA 13.0 · {simulated}" in out
+    assert f"CUDA reference: torch 2.13.0+cu130, sm90, cuDNN 9.20 · {simulated}" in out
+    assert "{" not in out.split("\n")[0] and "'sm'" not in out  # no raw dict as a title
+
+
+def test_help_describes_the_command_and_that_record_needs_the_cuda_wheel(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exit_info:
+        run(["--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "where CPU kernels allocate or save for backward differently from CUDA's" in out
+    assert "--record FILE" in out and "needs the CUDA wheel of torch" in out
+
+
 def test_the_shipped_reference_matches_and_an_unrecordable_layer_is_skipped(capsys):
     assert (
         run(
@@ -66,8 +87,12 @@ def test_a_reference_that_disagrees_exits_1_naming_the_layer(tmp_path, capsys):
         (None, "FileNotFoundError"),
         ('{"schema_version": 99, "layers": {}}', "schema_version=99"),
         ("not json", "JSONDecodeError"),
+        ("[1, 2]", "a JSON list, expected an object with schema_version and layers"),
+        ('"cuda"', "a JSON string"),
+        ('{"schema_version": 1, "layers": [1]}', "layers: expected an object"),
+        ('{"schema_version": 1, "layers": {"silu_bf16": [1]}}', "layers: expected an object"),
     ],
-    ids=["missing", "schema", "not-json"],
+    ids=["missing", "schema", "not-json", "list", "string", "layers-list", "layer-record-list"],
 )
 def test_a_bad_reference_file_is_a_one_line_error_naming_the_flag_and_file_and_exit_2(
     tmp_path, capsys, content, expected
@@ -81,10 +106,28 @@ def test_a_bad_reference_file_is_a_one_line_error_naming_the_flag_and_file_and_e
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_an_unknown_layer_is_a_one_line_error(capsys):
-    assert run(["--reference", str(REFERENCE), "--layers", "no_such_layer"]) == 2
+def test_a_layer_the_catalogue_lacks_is_exit_2_naming_it_and_listing_the_known_ones(capsys):
+    from hyperdryrun.audit import LAYERS
+
+    assert run(["--layers", "nope"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # refused before printing anything
+    err = captured.err
+    assert err.startswith("hyperdryrun: error: --layers: unknown layer 'nope' (known: ")
+    assert err.count("\n") == 1 and all(name in err for name in LAYERS)
+
+
+def test_an_unknown_layer_with_a_reference_is_refused_the_same_way(capsys):
+    assert run(["--reference", str(REFERENCE), "--layers", "silu_bf16", "no_such_layer"]) == 2
     err = capsys.readouterr().err
-    assert "no_such_layer" in err and err.count("\n") == 1
+    assert err.startswith("hyperdryrun: error: --layers: unknown layer 'no_such_layer' (known: ")
+    assert err.count("\n") == 1
+
+
+def test_layers_without_a_reference_or_record_is_an_error_rather_than_ignored(capsys):
+    assert run(["--layers", "silu_bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "--layers" in err and "--reference" in err and err.count("\n") == 1
 
 
 def test_record_and_reference_are_exclusive(capsys):

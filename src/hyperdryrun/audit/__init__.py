@@ -18,6 +18,7 @@ from hyperdryrun.audit.recorder import OpRecorder, saved_tensors
 from hyperdryrun.audit.reference import (
     SCHEMA_VERSION,
     compare,
+    describe_reference,
     load_reference,
     record,
     run_layer,
@@ -29,6 +30,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "OpRecorder",
     "compare",
+    "describe_reference",
     "diff_layer",
     "load_reference",
     "record",

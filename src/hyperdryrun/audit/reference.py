@@ -20,7 +20,7 @@ from hyperdryrun.audit.diff import diff_layer
 from hyperdryrun.audit.layers import LAYERS
 from hyperdryrun.audit.recorder import OpRecorder, saved_tensors
 from hyperdryrun.world import SimulatedWorld, default_simulation_device
-from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET
+from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET, cudnn_version_text, sm_text
 from hyperdryrun.world.kernels import target_kernel_patches
 from hyperdryrun.world.patches import PatchSet
 
@@ -112,17 +112,47 @@ def compare(reference: dict[str, Any], names: list[str] | None = None) -> dict[s
 
 
 def load_reference(path: str) -> dict[str, Any]:
-    """Read a reference record from ``path``."""
-    with open(path) as fh:
+    """Read a reference record from ``path``: OSError or ValueError (not naming the path) when it is not one."""
+    with open(path, encoding="utf-8") as fh:
         data = json.load(fh)
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"not a kernel-audit reference: the file holds a JSON {_json_kind(data)}, "
+            "expected an object with schema_version and layers"
+        )
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version={data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+        raise ValueError(f"schema_version={data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    layers = data.get("layers")
+    if not isinstance(layers, dict) or not all(isinstance(r, dict) for r in layers.values()):
+        raise ValueError("layers: expected an object mapping each layer name to its record")
     return data
+
+
+def describe_reference(reference: dict[str, Any]) -> str:
+    """Where a reference was recorded, for people: ``torch 2.13.0+cu130, sm90, cuDNN 9.20``."""
+    parts = [f"torch {reference.get('torch_version', '?')}"]
+    target = reference.get("cuda_target")
+    if isinstance(target, dict):
+        sm, cudnn = target.get("sm"), target.get("cudnn")
+        if isinstance(sm, list) and len(sm) == 2:
+            parts.append(sm_text(sm))
+        if isinstance(cudnn, int):
+            parts.append(f"cuDNN {cudnn_version_text(cudnn)}")
+    return ", ".join(parts)
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {list: "list", str: "string", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 __all__ = [
     "SCHEMA_VERSION",
     "compare",
+    "describe_reference",
     "load_reference",
     "record",
     "run_layer",

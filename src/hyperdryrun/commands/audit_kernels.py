@@ -15,12 +15,21 @@ from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
 
+DESCRIPTION = (
+    "Show where CPU kernels allocate or save for backward differently from CUDA's, and how the dry run follows "
+    "CUDA there. With --reference FILE, re-run the kernel audit (ops, new storages and saved tensors of a "
+    "catalogue of common layers) on this machine's simulation device against a reference recorded on fake 'cuda', "
+    "and exit 1 if any layer differs. With --record FILE, record such a reference: this needs the CUDA wheel of "
+    "torch (fake 'cuda' tensors; no GPU is needed)."
+)
+
 
 def register(subparsers: Any) -> None:
     """Add the ``audit-kernels`` parser to ``subparsers``."""
     parser = subparsers.add_parser(
         "audit-kernels",
         help="show the CPU-vs-CUDA kernel differences the dry run models; --reference re-checks them",
+        description=DESCRIPTION,
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
@@ -43,6 +52,10 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the table, compare against ``--reference`` or record ``--record``. 0 ok, 1 mismatch, 2 bad input."""
+    if args.layers:
+        problem = _check_layers(args)
+        if problem:
+            return fail(problem)
     if args.record:
         return _record(args)
     from rich.console import Console
@@ -51,7 +64,13 @@ def run(args: argparse.Namespace) -> int:
     from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET, DIFFERENCES
 
     console = Console()
-    table = Table(title=f"CPU vs CUDA kernels (target {DEFAULT_CUDA_TARGET.as_dict()})", show_lines=True)
+    simulated = _simulated()
+    console.print(
+        f"CPU vs CUDA kernels · CUDA target: {DEFAULT_CUDA_TARGET.describe()} · simulated: {simulated}",
+        markup=False,
+        highlight=False,
+    )
+    table = Table(show_lines=True)
     for column in ("layer", "CPU kernel", "CUDA kernel", "dry run"):
         table.add_column(column, overflow="fold")
     for d in DIFFERENCES:
@@ -59,14 +78,19 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     if not args.reference:
         return EXIT_OK
-    from hyperdryrun.audit import compare, load_reference
+    from hyperdryrun.audit import compare, describe_reference, load_reference
 
     try:
         reference = load_reference(args.reference)
         result = compare(reference, args.layers)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError) as err:
         return fail(f"--reference {args.reference}: {type(err).__name__}: {err}", err, args.debug)
-    results = Table(title=f"audit against {args.reference} ({reference.get('torch_version')})")
+    console.print(
+        f"audit against {args.reference} · CUDA reference: {describe_reference(reference)} · simulated: {simulated}",
+        markup=False,
+        highlight=False,
+    )
+    results = Table()
     for column in ("layer", "result", "differences"):
         results.add_column(column, overflow="fold")
     for name, problems in result.items():
@@ -80,6 +104,26 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"hyperdryrun: audit-kernels: {len(bad)} layer(s) differ: {', '.join(bad)}\n")
         return EXIT_VERDICT
     return EXIT_OK
+
+
+def _check_layers(args: argparse.Namespace) -> str | None:
+    """Why ``--layers`` cannot be used as given, or None."""
+    from hyperdryrun.audit import LAYERS
+
+    unknown = [n for n in args.layers if n not in LAYERS]
+    if unknown:
+        return f"--layers: unknown layer {', '.join(map(repr, unknown))} (known: {', '.join(LAYERS)})"
+    if not (args.reference or args.record):
+        return "--layers picks the layers to audit: give --reference FILE or --record FILE with it"
+    return None
+
+
+def _simulated() -> str:
+    import torch
+
+    from hyperdryrun.world import default_simulation_device
+
+    return f"torch {torch.__version__} on {default_simulation_device()}"
 
 
 def _record(args: argparse.Namespace) -> int:
