@@ -1,31 +1,28 @@
 """The simulation device follows the CUDA kernels: per layer, the ops, new storages and saved tensors on fake "cpu"
-equal those recorded on fake "cuda" by the CUDA build of torch 2.13 (tests/world/fixtures/cuda_kernels.json,
-made with ``python -m hyperdryrun.world.audit --record``)."""
+equal those recorded on fake "cuda" by the CUDA build of torch 2.13 (tests/audit/fixtures/cuda_kernels.json, made
+with ``hyperdryrun audit-kernels --record``); the kernel patches are active inside the world and undone on exit."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hyperdryrun.world as world_module
+from hyperdryrun import audit
 from hyperdryrun.trace.blocks import round_size
-from hyperdryrun.world import SimulatedWorld, audit, default_simulation_device, kernels
+from hyperdryrun.world import SimulatedWorld, default_simulation_device, kernels
+from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET, DIFFERENCES
 from hyperdryrun.world.kernels import (
-    DIFFERENCES,
     OUTPUT_FIXUPS,
-    CudaTarget,
     TargetFakeTensorMode,
-    cuda_sdpa_backend,
     needs_target_kernels,
     target_kernel_patches,
 )
 
-REFERENCE = Path(__file__).parent / "fixtures" / "cuda_kernels.json"
+REFERENCE = Path(__file__).parents[1] / "audit" / "fixtures" / "cuda_kernels.json"
 UNRECORDABLE = {
     # aten::_fused_sgd_ has no fake/meta kernel in torch 2.13: fake mode runs the real kernel on zeros, which
     # needs a GPU for "cuda". It is in-place (no new storage) on every device; the simulation runs it on CPU.
@@ -50,7 +47,7 @@ def test_the_reference_is_a_fake_cuda_record_of_every_layer_by_a_cuda_build_of_t
     assert reference["device"] == "cuda" and reference["backward"] == "walk"
     assert reference["torch_version"].startswith("2.13.0+cu") and reference["cuda_build"]
     assert set(reference["layers"]) == set(audit.LAYERS)
-    assert reference["cuda_target"] == kernels.DEFAULT_CUDA_TARGET.as_dict()
+    assert reference["cuda_target"] == DEFAULT_CUDA_TARGET.as_dict()
     # Only these two were taken from the code under test (no GPU: no SDPA choice; FakeTensor optimizer default);
     # everything else is what the CUDA build's own dispatch did on fake "cuda".
     assert sorted(m.split(":")[0] for m in reference["modelled"]) == [
@@ -76,19 +73,6 @@ def test_layer_allocates_and_saves_exactly_what_the_cuda_reference_does(name, re
         assert audit.diff_layer(ref, sim) != []
         return
     assert audit.diff_layer(ref, sim) == []
-
-
-def test_walking_the_autograd_graph_issues_the_same_backward_ops_as_the_engine():
-    # The reference runs its backward by calling each node (the engine cannot run on fake cuda without a GPU);
-    # on fake cpu both run, and every dispatched backward op (allocating or not) and every byte agree.
-    engine = audit.record("cpu", "engine")["layers"]
-    walk = audit.record("cpu", "walk")["layers"]
-    for name in audit.LAYERS:
-        assert audit.diff_layer(engine[name], walk[name]) == [], name
-        ops = [
-            Counter((op, tuple(new)) for op, new in r.get("backward", [])) for r in (engine[name], walk[name])
-        ]
-        assert ops[0] == ops[1], name
 
 
 def _without(monkeypatch, names: set[str]) -> None:
@@ -161,74 +145,6 @@ def test_the_tracker_records_the_bytes_the_audit_counts(name, simulated):
         total = sum(b.size for b in tracker.finalize())
     s = audit.summary(simulated[name])
     assert total == s["forward_blocks"] + s["backward_blocks"] + grad_bytes
-
-
-# ---------------------------------------------------------------------------------------------- SDPA backend
-def _qkv(heads=8, kv_heads=8, head_dim=64, dtype=torch.bfloat16, seq=128):
-    q = torch.empty(2, heads, seq, head_dim, dtype=dtype, device="meta", requires_grad=True)
-    k = torch.empty(2, kv_heads, seq, head_dim, dtype=dtype, device="meta", requires_grad=True)
-    v = torch.empty(2, kv_heads, seq, head_dim, dtype=dtype, device="meta", requires_grad=True)
-    return q, k, v
-
-
-H100 = CudaTarget()  # torch 2.13.0 PyPI wheel: CUDA 13.0, cuDNN 9.20
-A100 = CudaTarget(sm=(8, 0))
-B200 = CudaTarget(sm=(10, 0))
-H100_CU128_CUDNN910 = CudaTarget(cudnn=91002, cuda=12080)
-H100_CUDNN923 = CudaTarget(cudnn=92300)
-MASK = torch.ones(128, 128, dtype=torch.bool, device="meta")
-
-# Expected backends read by hand from torch 2.13 aten/src/ATen/native/transformers/cuda/sdp_utils.cpp:
-# check_prefer_cudnn_attention (cuDNN first on sm90/sm10x with cuDNN > 9.15, CUDA >= 13), can_use_cudnn_attention
-# (fp16/bf16, head_dim <= 128 unless cuDNN > 9.22, % 8, dropout in 1/16 steps), can_use_flash_attention (no mask,
-# head_dim <= 256, fp16/bf16), can_use_mem_efficient_attention (fp32 too, masks, alignment), then math.
-SDPA_CASES = [
-    ("bf16 causal MHA", {}, {}, {"H100": "cudnn", "A100": "flash", "B200": "cudnn", "cu128": "flash"}),
-    ("bf16 GQA", {"kv_heads": 2}, {"enable_gqa": True}, {"H100": "cudnn", "A100": "flash"}),
-    ("bf16 GQA without enable_gqa", {"kv_heads": 2}, {}, {"H100": "math", "A100": "math"}),
-    ("fp32 MHA", {"dtype": torch.float32}, {}, {"H100": "efficient", "A100": "efficient"}),
-    (
-        "fp32 GQA",
-        {"dtype": torch.float32, "kv_heads": 2},
-        {"enable_gqa": True},
-        {"H100": "math", "A100": "math"},
-    ),
-    ("bf16 bool mask", {}, {"attn_mask": MASK}, {"H100": "cudnn", "A100": "efficient"}),
-    ("bf16 head_dim 256", {"head_dim": 256}, {}, {"H100": "flash", "A100": "flash", "cudnn923": "cudnn"}),
-    ("bf16 head_dim 320", {"head_dim": 320}, {}, {"H100": "efficient", "A100": "efficient"}),
-    ("bf16 head_dim 100", {"head_dim": 100}, {}, {"H100": "flash", "A100": "flash"}),
-    ("bf16 dropout 0.1", {}, {"dropout_p": 0.1}, {"H100": "flash"}),
-    ("bf16 dropout 0.125", {}, {"dropout_p": 0.125}, {"H100": "cudnn"}),
-    ("fp32 head_dim 30", {"dtype": torch.float32, "head_dim": 30}, {}, {"H100": "math"}),
-]
-TARGETS = {"H100": H100, "A100": A100, "B200": B200, "cu128": H100_CU128_CUDNN910, "cudnn923": H100_CUDNN923}
-
-
-@pytest.mark.parametrize(
-    "label,shape,kwargs,target,expected",
-    [(c[0], c[1], c[2], t, b) for c in SDPA_CASES for t, b in c[3].items()],
-    ids=lambda x: x if isinstance(x, str) else None,
-)
-def test_sdpa_backend_follows_torch_2_13_cuda_rules(label, shape, kwargs, target, expected):
-    q, k, v = _qkv(**shape)
-    causal = "attn_mask" not in kwargs
-    assert cuda_sdpa_backend(q, k, v, is_causal=causal, target=TARGETS[target], **kwargs) == expected
-
-
-def test_sdpa_backend_honours_sdpa_kernel_and_deterministic_mode():
-    q, k, v = _qkv()
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        assert cuda_sdpa_backend(q, k, v, is_causal=True) == "flash"
-    with sdpa_kernel([SDPBackend.MATH]):
-        assert cuda_sdpa_backend(q, k, v, is_causal=True) == "math"
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), pytest.raises(RuntimeError, match="No available kernel"):
-        cuda_sdpa_backend(q, k, v, attn_mask=MASK)
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert cuda_sdpa_backend(q, k, v, is_causal=True) == "flash"  # cuDNN SDPA is not deterministic
-    finally:
-        torch.use_deterministic_algorithms(False)
-    assert cuda_sdpa_backend(q, k, v, is_causal=True) == "cudnn"
 
 
 # ---------------------------------------------------------------------------------------------- restore
