@@ -94,15 +94,8 @@ def worker(variants: list[str], model: str, layers: int, seq: int, reps: int) ->
     import torch
 
     from hyperdryrun.engine import dtensor_speedups, micro_batch_step, prepare, step_trace, traced_step
-    from hyperdryrun.parallel import build_optimizer
-    from hyperdryrun.recipe import (
-        batch_fn,
-        job_metadata,
-        llama_loss,
-        loss_context,
-        model_fn,
-        parallelize_llama,
-    )
+    from hyperdryrun.parallel import build_optimizer, parallelize_llama
+    from hyperdryrun.recipe import batch_fn, job_metadata, llama_loss, loss_context, model_fn
     from hyperdryrun.report import blocks_csv, build_report, write_reports
     from hyperdryrun.world import SimulatedWorld
     from hyperdryrun.world.patches import PatchSet

@@ -372,11 +372,11 @@ def test_large_device_memory_fits_and_exit_0(tmp_path, capsys):
 def test_error_during_simulation_writes_error_report(tmp_path, capsys, monkeypatch):
     import hyperdryrun.recipe as recipe
 
-    def boom(model, mesh, cfg):
+    def boom(model, mesh):
         raise RuntimeError("boom")
 
-    # run_job calls parallelize_llama through recipe's module globals (``from hyperdryrun.parallel import ...``)
-    monkeypatch.setattr(recipe, "parallelize_llama", boom)
+    # run_job takes the model family's parallelize function through recipe.parallelize (a module global)
+    monkeypatch.setattr(recipe, "parallelize", lambda cfg: boom)
     out_dir = tmp_path / "out"
     rc, _out, err = run_cli(
         ["--model", "llama-tiny", "--world-size", "2", "--seq-len", "32", "--output-dir", str(out_dir)],

@@ -13,25 +13,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hyperdryrun.models.llama import PRESETS, LlamaArgs
-from hyperdryrun.models.moe import PRESETS as MOE_PRESETS
-from hyperdryrun.models.moe import MoEArgs
+from hyperdryrun.models.registry import ModelFamily, family_of, preset_names
+from hyperdryrun.parallel.dims import ParallelDims, PipelineSchedule, stages_per_rank
 from hyperdryrun.world.values import ROUTING_OP, ValueRule, ValueRules
 
 Dtype = Literal["bf16", "fp32"]
-PipelineSchedule = Literal[
-    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
-]
-"""The training schedules of torch 2.13 ``torch.distributed.pipelining`` (``get_schedule_class`` names)."""
-MULTI_STAGE_SCHEDULES = (
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-)
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-"""Schedules that place two stages per rank in a V (rank r holds stages r and 2*pp-1-r)."""
 
 
 class ConfigError(ValueError):
@@ -66,9 +52,9 @@ class ModelConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _known_preset(cls, v: str) -> str:
-        if v not in PRESETS and v not in MOE_PRESETS:
-            names = ", ".join(sorted([*PRESETS, *MOE_PRESETS]))
-            raise ValueError(f"unknown model {v!r}; choose one of {names}")
+        names = preset_names()
+        if v not in names:
+            raise ValueError(f"unknown model {v!r}; choose one of {', '.join(names)}")
         return v
 
     @model_validator(mode="after")
@@ -82,19 +68,26 @@ class ModelConfig(_Strict):
         return self
 
     @property
-    def is_moe(self) -> bool:
-        return self.name in MOE_PRESETS
+    def family(self) -> ModelFamily:
+        """The registered model family of the preset (:mod:`hyperdryrun.models.registry`)."""
+        return family_of(self.name)
 
-    def args(self) -> LlamaArgs | MoEArgs:
+    @property
+    def is_moe(self) -> bool:
+        return self.family.is_moe
+
+    def args(self) -> Any:
+        """The preset's shapes with this config's overrides (an instance of the family's argument class)."""
         overrides = {k: v for k, v in self.model_dump(exclude={"name"}).items() if v is not None}
-        return (MOE_PRESETS if self.is_moe else PRESETS)[self.name].replace(**overrides)
+        return self.family.presets[self.name].replace(**overrides)
 
 
 MOE_FIELDS = ("num_experts", "top_k", "moe_ffn_dim", "num_shared_experts", "n_dense_layers")
 
 
 class ParallelConfig(_Strict):
-    """Parallel degrees (torchtitan's ParallelDims). ``dp_shard=None`` takes what the world leaves."""
+    """Parallel degrees and options as given; ``dp_shard=None`` takes what the world leaves. The layout they make,
+    and its rules, is :attr:`JobConfig.dims` (:class:`~hyperdryrun.parallel.dims.ParallelDims`)."""
 
     dp_replicate: int = Field(1, gt=0)
     dp_shard: int | None = Field(None, gt=0)
@@ -124,9 +117,7 @@ class ParallelConfig(_Strict):
 
     @property
     def pp_stages_per_rank(self) -> int:
-        if self.pp_virtual_stages is not None:
-            return self.pp_virtual_stages
-        return 2 if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+        return stages_per_rank(self.pp_schedule, self.pp_virtual_stages)
 
     @property
     def pp_num_stages(self) -> int:
@@ -218,179 +209,21 @@ class JobConfig(_Strict):
 
     @model_validator(mode="after")
     def _layout(self) -> JobConfig:
-        p, w, m = self.parallel, self.world, self.model.args()
-        others = p.dp_replicate * p.cp * p.tp * p.pp
-        if p.dp_shard is None:
-            if w.world_size % others:
-                raise ValueError(
-                    f"world.world_size={w.world_size} is not divisible by dp_replicate*cp*tp*pp={others}"
-                )
-            object.__setattr__(p, "dp_shard", w.world_size // others)
-        product = others * p.dp_shard
-        if product != w.world_size:
-            raise ValueError(
-                f"world.world_size={w.world_size} != dp_replicate*dp_shard*cp*tp*pp = "
-                f"{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp}*{p.pp} = {product}"
-            )
-        if m.dim % m.n_heads:
-            raise ValueError(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-        if m.n_heads % m.n_kv_heads:
-            raise ValueError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
-        for field in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
-            if getattr(m, field) % p.tp:
-                raise ValueError(f"model.{field}={getattr(m, field)} is not divisible by parallel.tp={p.tp}")
-        if p.tp > 1 and p.sequence_parallel and self.training.seq_len % p.tp:
-            raise ValueError(
-                f"training.seq_len={self.training.seq_len} is not divisible by parallel.tp={p.tp} "
-                "(sequence parallel shards the sequence)"
-            )
-        if p.pp > 1:
-            self._check_pipeline()
-        if p.cp > 1:
-            self._check_context_parallel()
-        self._check_moe()
-        if self.training.ac == "selective" and self.training.ac_selective != "op":
-            if int(self.training.ac_selective) > m.n_layers:
-                raise ValueError(
-                    f"training.ac_selective={self.training.ac_selective} exceeds model.n_layers={m.n_layers}"
-                )
+        p, m, t = self.parallel, self.model.args(), self.training
+        dims = self.dims
+        problems = dims.problems(m, t, self.target_device, model_name=self.model.name)
+        if problems:
+            raise ValueError(problems[0])
+        object.__setattr__(p, "dp_shard", dims.dp_shard)
+        if self.model.is_moe:
+            self._check_routing(m)
+        if t.ac == "selective" and t.ac_selective != "op" and int(t.ac_selective) > m.n_layers:
+            raise ValueError(f"training.ac_selective={t.ac_selective} exceeds model.n_layers={m.n_layers}")
         return self
 
-    def _check_context_parallel(self) -> None:
-        """Context parallel: the head-tail load-balanced sequence split and what it can be combined with."""
-        p, seq = self.parallel, self.training.seq_len
-        if seq % (2 * p.cp):
-            raise ValueError(
-                f"training.seq_len={seq} is not divisible by 2*parallel.cp={2 * p.cp} (context parallel's "
-                "load-balanced layout splits the sequence into 2*cp chunks, two per rank)"
-            )
-        if p.tp > 1 and p.sequence_parallel and (seq // p.cp) % p.tp:
-            raise ValueError(
-                f"training.seq_len/parallel.cp={seq // p.cp} is not divisible by parallel.tp={p.tp} "
-                "(sequence parallel shards each context-parallel shard of the sequence)"
-            )
-        if p.pp > 1:
-            raise ValueError(
-                f"parallel.cp={p.cp} with parallel.pp={p.pp} is not supported yet "
-                "(this recipe's pipeline step does not run its stages under the context-parallel context)"
-            )
-        if self.target_device != "cuda":
-            raise ValueError(
-                f"parallel.cp={p.cp} needs target_device=cuda, got {self.target_device!r} (torch 2.13 ring attention "
-                "only dispatches the CUDA flash, memory-efficient and cuDNN SDPA kernels)"
-            )
-        compute = self.training.param_dtype or self.training.dtype
-        m = self.model.args()
-        if compute == "fp32" and m.n_kv_heads != m.n_heads:
-            raise ValueError(
-                f"parallel.cp={p.cp} with fp32 compute and grouped-query attention (model.n_kv_heads={m.n_kv_heads} "
-                f"< n_heads={m.n_heads}) is not supported: CUDA runs that SDPA with the math kernel (flash and cuDNN "
-                "need bf16/fp16, memory-efficient has no GQA in torch 2.13), which ring attention does not handle"
-            )
-        if compute == "fp32" and (seq // (2 * p.cp)) % 32:
-            raise ValueError(
-                f"training.seq_len={seq} with parallel.cp={p.cp} and fp32 compute: the memory-efficient SDPA kernel "
-                "pads its logsumexp to a multiple of 32 rows, so ring attention's half-shard merge needs "
-                f"seq_len/(2*cp)={seq // (2 * p.cp)} to be a multiple of 32"
-            )
-
-    def _check_pipeline(self) -> None:
-        """The pipeline layout: schedule vs stages per rank, the layer split, micro batches per schedule."""
-        p, m, n_mb = self.parallel, self.model.args(), self.training.num_micro_batches
-        v = p.pp_stages_per_rank
-        if p.pp_schedule in V_SCHEDULES and v != 2:
-            raise ValueError(
-                f"parallel.pp_virtual_stages={v} must be 2 for parallel.pp_schedule={p.pp_schedule} "
-                "(a V schedule holds exactly two stages per rank)"
-            )
-        if p.pp_schedule not in MULTI_STAGE_SCHEDULES and v != 1:
-            raise ValueError(
-                f"parallel.pp_virtual_stages={v} needs a multi-stage schedule "
-                f"({', '.join(MULTI_STAGE_SCHEDULES)}); parallel.pp_schedule={p.pp_schedule} runs one stage per rank"
-            )
-        stages = p.pp_num_stages
-        if m.tie_embeddings:
-            raise ValueError(
-                "model.tie_embeddings=True cannot be used with parallel.pp > 1 "
-                "(the embedding and the output head live on different pipeline stages)"
-            )
-        if p.pp_stage_layers is not None:
-            layers = p.pp_stage_layers
-            if len(layers) != stages:
-                raise ValueError(
-                    f"parallel.pp_stage_layers has {len(layers)} entries, needs one per pipeline stage: "
-                    f"pp*stages_per_rank = {p.pp}*{v} = {stages}"
-                )
-            if sum(layers) != m.n_layers:
-                raise ValueError(
-                    f"parallel.pp_stage_layers={layers} sums to {sum(layers)}, model.n_layers={m.n_layers}"
-                )
-            empty = [i for i in range(1, stages - 1) if layers[i] == 0]
-            if empty:
-                raise ValueError(
-                    f"parallel.pp_stage_layers={layers}: middle stage {empty[0]} has no layers "
-                    "(only the first and last stages, which hold the embedding and the head, may have none)"
-                )
-        elif m.n_layers + 2 < stages:
-            raise ValueError(
-                f"model.n_layers={m.n_layers} does not split into {stages} pipeline stages (the even split counts "
-                f"the embedding and the head as one layer each: needs n_layers + 2 >= {stages})"
-            )
-        if p.pp_schedule in ("1F1B", "DualPipeV") and n_mb < stages:
-            raise ValueError(
-                f"training.num_micro_batches={n_mb} must be >= the {stages} pipeline stages "
-                f"for parallel.pp_schedule={p.pp_schedule}"
-            )
-        if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-            rounds = max(1, n_mb // p.pp)
-            if n_mb % rounds:
-                raise ValueError(
-                    f"training.num_micro_batches={n_mb} must be a multiple of max(1, num_micro_batches // pp) "
-                    f"= {rounds} for parallel.pp_schedule={p.pp_schedule}"
-                )
-
-    def _check_moe(self) -> None:
-        """Expert parallel and the routing scenario against the MoE model's shapes."""
-        p, m, v = self.parallel, self.model.args(), self.values
-        if not self.model.is_moe:
-            for name in ("ep", "etp"):
-                if getattr(p, name) > 1:
-                    raise ValueError(
-                        f"parallel.{name}={getattr(p, name)} needs an MoE model, {self.model.name!r} is dense"
-                    )
-            return
-        if m.top_k > m.num_experts:
-            raise ValueError(f"model.top_k={m.top_k} exceeds model.num_experts={m.num_experts}")
-        if m.n_dense_layers > m.n_layers:
-            raise ValueError(f"model.n_dense_layers={m.n_dense_layers} exceeds model.n_layers={m.n_layers}")
-        if p.cp > 1:
-            raise ValueError(
-                f"parallel.cp={p.cp} with an MoE model is not supported yet (MoE runs with FSDP/TP/EP/PP)"
-            )
-        # torchtitan's layouts: etp is 1 or tp; with ep > 1, etp = tp shards each local expert over tp (ep x etp),
-        # etp = 1 lends the tp ranks to EP, which this recipe does not build (EP splits dp_shard only).
-        if p.etp > 1 and p.tp == 1:
-            raise ValueError(
-                f"parallel.etp={p.etp} needs parallel.tp={p.etp} (expert TP shards experts over tp)"
-            )
-        if p.etp not in (1, p.tp):
-            raise ValueError(f"parallel.etp={p.etp} must be 1 or parallel.tp={p.tp} (torchtitan's layouts)")
-        if p.tp > 1 and p.ep > 1 and p.etp == 1:
-            raise ValueError(
-                f"parallel.etp=1 with parallel.tp={p.tp} and parallel.ep={p.ep} is not supported (EP borrowing the "
-                f"tp ranks is not built; use parallel.etp={p.tp})"
-            )
-        if p.tp > 1:
-            shared = m.num_shared_experts * m.moe_ffn_dim
-            for name, value in (("moe_ffn_dim", m.moe_ffn_dim), ("num_shared_experts*moe_ffn_dim", shared)):
-                if value % p.tp:
-                    raise ValueError(f"model.{name}={value} is not divisible by parallel.tp={p.tp}")
-        if p.dp_shard % p.ep:
-            raise ValueError(
-                f"parallel.ep={p.ep} must divide parallel.dp_shard={p.dp_shard} (EP splits dp_shard)"
-            )
-        if m.num_experts % p.ep:
-            raise ValueError(f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts}")
+    def _check_routing(self, m: Any) -> None:
+        """The MoE routing scenario against the model's experts and one micro batch's tokens."""
+        v = self.values
         tokens = self.training.micro_batch_size * self.training.seq_len
         if v.hot_expert >= m.num_experts:
             raise ValueError(f"values.hot_expert={v.hot_expert} must be < model.num_experts={m.num_experts}")
@@ -401,6 +234,11 @@ class JobConfig(_Strict):
                     f"values.counts={c} must have model.num_experts={m.num_experts} entries summing to "
                     f"micro_batch_size*seq_len*top_k = {tokens * m.top_k}, each <= {tokens} tokens"
                 )
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The job's parallel layout: degrees, mesh, every rank's coordinates (:mod:`hyperdryrun.parallel.dims`)."""
+        return ParallelDims.from_config(self)
 
     @property
     def local_rank(self) -> int:

@@ -1,4 +1,7 @@
-"""The built-in recipe: a Llama-style decoder trained with torch-native FSDP2/HSDP and TP."""
+"""The built-in recipe: a registered decoder family (dense Llama or MoE) trained with torch-native parallelisms —
+FSDP2/HSDP, TP with sequence and loss parallel, pipeline (PP), context (CP) and expert (EP, expert TP) parallel —
+for the rank that the job config names. The model family's train spec (:mod:`hyperdryrun.parallel.train_spec`)
+says how its model is built and parallelized."""
 
 from __future__ import annotations
 
@@ -9,33 +12,26 @@ import torch
 from hyperdryrun import __version__
 from hyperdryrun.config import JobConfig
 from hyperdryrun.engine import StepTrace, micro_batch_step, simulate
-from hyperdryrun.models.llama import Transformer, cross_entropy_loss
-from hyperdryrun.models.moe import MoETransformer
-from hyperdryrun.parallel import (
-    DTYPES,
-    MESH_DIMS,
-    ParallelDims,
-    build_optimizer,
-    fsdp_enabled,
-    parallelize_llama,
-)
+from hyperdryrun.models.llama import cross_entropy_loss
 from hyperdryrun.parallel.context import ContextParallelStep
-from hyperdryrun.parallel.expert import parallelize_moe
-from hyperdryrun.parallel.pipeline import LlamaPipeline
+from hyperdryrun.parallel.fsdp import DTYPES, fsdp_enabled
+from hyperdryrun.parallel.optimizer import build_optimizer
+from hyperdryrun.parallel.pipeline import DecoderPipeline
+from hyperdryrun.parallel.train_spec import train_spec
 from hyperdryrun.world.values import use_rules
 
 
 def model_fn(cfg: JobConfig):
-    args = cfg.model.args()
+    """Build the job's model (its family's model class) in the stored dtype; the engine calls it on meta."""
+    args, family = cfg.model.args(), cfg.model.family
 
-    def build() -> Transformer:
+    def build() -> torch.nn.Module:
         # Built in the stored dtype rather than cast with ``.to(dtype)``, which would also turn the complex RoPE
         # buffer into a real one (nn.Module.to casts complex tensors to the requested floating dtype).
         old = torch.get_default_dtype()
         torch.set_default_dtype(DTYPES[cfg.training.dtype])
         try:
-            cls = MoETransformer if cfg.model.is_moe else Transformer
-            return cls(args, max_seq_len=cfg.training.seq_len)
+            return family.build(args, cfg.training.seq_len)
         finally:
             torch.set_default_dtype(old)
 
@@ -67,7 +63,6 @@ def loss_context(cfg: JobConfig):
 
 def job_metadata(cfg: JobConfig) -> dict:
     t, args = cfg.training, cfg.model.args()
-    dims = ParallelDims.from_config(cfg)
     tokens = t.micro_batch_size * t.seq_len
     return {
         "mode": "dry-run",
@@ -80,7 +75,7 @@ def job_metadata(cfg: JobConfig) -> dict:
         "mixed_precision": {"param_dtype": t.param_dtype, "reduce_dtype": t.reduce_dtype}
         if fsdp_enabled(cfg)
         else None,
-        "parallel": {**dims.as_dict(), "ep": cfg.parallel.ep, "etp": cfg.parallel.etp},
+        "parallel": cfg.dims.degrees(),
         "fsdp": fsdp_enabled(cfg),
         "reshard_after_forward": cfg.parallel.reshard_after_forward,
         "sequence_parallel": cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
@@ -118,13 +113,13 @@ def context_parallel_metadata(cfg: JobConfig) -> dict | None:
     }
 
 
-# --- MoE / expert parallel -------------------------------------------------------------------------------------
 def parallelize(cfg: JobConfig):
-    """The parallelize function of the model family: TP/AC/FSDP for Llama, EP/AC/FSDP for MoE."""
-    fn = parallelize_moe if cfg.model.is_moe else parallelize_llama
+    """The parallelize function of the model family's train spec: TP/AC/FSDP for Llama, TP/EP/AC/FSDP for MoE."""
+    fn = train_spec(cfg).parallelize
     return lambda model, mesh: fn(model, mesh, cfg)
 
 
+# --- MoE / expert parallel -------------------------------------------------------------------------------------
 def with_value_rules(cfg: JobConfig, step_fn):
     """Run the step with the job's data-dependent value rules answering what fake tensors cannot."""
     rules = cfg.values.value_rules()
@@ -145,7 +140,7 @@ def moe_metadata(cfg: JobConfig) -> dict | None:
     tokens = cfg.training.micro_batch_size * cfg.training.seq_len
     counts = v.value_rules().token_counts("*", tokens, args.num_experts, args.top_k)
     local = args.num_experts // p.ep
-    ep_rank = (cfg.world.rank // (p.cp * p.tp)) % p.ep
+    ep_rank = cfg.dims.coordinates(cfg.world.rank).ep
     mine = sum(counts[ep_rank * local : (ep_rank + 1) * local])
     return {
         "routing": v.routing_rule().describe(),
@@ -161,9 +156,9 @@ def moe_metadata(cfg: JobConfig) -> dict | None:
     }
 
 
-def pipeline(cfg: JobConfig) -> LlamaPipeline:
+def pipeline(cfg: JobConfig) -> DecoderPipeline:
     """The pipeline-parallel step for ``cfg`` (pp > 1): this rank's stages, each parallelized as without pp."""
-    return LlamaPipeline(
+    return DecoderPipeline(
         cfg,
         parallelize_stage=parallelize(cfg),
         loss_fn=cross_entropy_loss,
@@ -173,7 +168,7 @@ def pipeline(cfg: JobConfig) -> LlamaPipeline:
 
 def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
     """Dry-run the built-in recipe for the rank that ``cfg`` names."""
-    dims = ParallelDims.from_config(cfg)
+    dims = cfg.dims
     limitations = []
     if not fsdp_enabled(cfg) and cfg.training.param_dtype not in (None, cfg.training.dtype):
         limitations.append(
@@ -190,7 +185,7 @@ def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
         )
     elif cfg.parallel.cp > 1:
         cp = ContextParallelStep(
-            lambda model, mesh: parallelize_llama(model, mesh, cfg),
+            parallelize(cfg),
             cross_entropy_loss,
             cfg.training.num_micro_batches,
             rotate_method=cfg.parallel.cp_rotate_method,
@@ -217,7 +212,7 @@ def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
         rank=cfg.world.rank,
         local_rank=cfg.local_rank,
         mesh_shape=dims.mesh_shape,
-        mesh_dim_names=MESH_DIMS,
+        mesh_dim_names=dims.mesh_dim_names,
         target_device=cfg.target_device,
         num_micro_batches=cfg.training.num_micro_batches,
         capture_stacks=capture_stacks,

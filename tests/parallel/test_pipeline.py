@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from hyperdryrun.config import ConfigError
-from hyperdryrun.parallel.pipeline import stage_indices, stage_layer_counts
+from hyperdryrun.parallel.pipeline import stage_layer_counts
 from hyperdryrun.trace.blocks import PERSISTENT_END, Category, Phase
 from tests.conftest import dry_run, job
 
@@ -183,7 +183,7 @@ def test_even_split_counts_embedding_and_head_as_layers():
 
 def test_stage_placement_looped_and_v():
     cfg = job(world__world_size=4, parallel__pp=4, parallel__pp_schedule="Interleaved1F1B", model__n_layers=8)
-    assert [stage_indices(r, cfg) for r in range(4)] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert [cfg.dims.coordinates(r).stages for r in range(4)] == [(0, 4), (1, 5), (2, 6), (3, 7)]
     cfg = job(
         world__world_size=4,
         parallel__pp=4,
@@ -191,7 +191,7 @@ def test_stage_placement_looped_and_v():
         model__n_layers=8,
         training__num_micro_batches=8,
     )
-    assert [stage_indices(r, cfg) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert [cfg.dims.coordinates(r).stages for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
 
 
 @pytest.mark.parametrize(

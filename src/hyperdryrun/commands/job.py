@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from hyperdryrun.config import ConfigError, JobConfig, build_config, load_yaml, rank_from_env
+from hyperdryrun.models.registry import presets_help
 
 
 def _int_list(text: str) -> list[int]:
@@ -22,12 +23,7 @@ _int_list.__name__ = "comma-separated list of integers"
 # flag -> (config path, type, help).
 _BOOL = "bool"
 RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
-    "--model": (
-        "model.name",
-        str,
-        "model preset (llama3-8b, llama3-70b, llama3-405b, llama-debug, llama-tiny; MoE: mixtral-8x7b, "
-        "qwen3-30b-a3b, deepseek-v3, moe-debug, moe-tiny)",
-    ),
+    "--model": ("model.name", str, f"model preset ({presets_help()})"),
     "--dim": ("model.dim", int, "hidden size"),
     "--n-layers": ("model.n_layers", int, "number of decoder layers"),
     "--n-heads": ("model.n_heads", int, "attention heads"),

@@ -294,32 +294,26 @@ def _profile_step(step_fn: StepFn, model: nn.Module, optimizer: torch.optim.Opti
     return prof
 
 
-def init_llama(model: nn.Module) -> None:
-    """Real values for the built-in Llama: weights ~ N(0, 1/dim) (norms 1) on each rank's local shard, and the
-    RoPE cache recomputed (``to_empty`` left it uninitialised). A rank's several pipeline stages
-    (:class:`~hyperdryrun.parallel.pipeline.PipelineStages`) are each initialised so."""
-    from hyperdryrun.models.llama import rope_cache
+def init_stages(model: nn.Module, init_weights: Callable[[nn.Module], None]) -> None:
+    """Real values by a model family's initialiser, on each of a rank's pipeline stages
+    (:class:`~hyperdryrun.parallel.pipeline.PipelineStages`) or on the whole model."""
     from hyperdryrun.parallel.pipeline import PipelineStages
 
-    if isinstance(model, PipelineStages):
-        for part in model.values():
-            init_llama(part)
-        return
-    args = model.args
-    for name, p in model.named_parameters():
-        local = local_tensor(p)
-        if name.endswith("norm.weight"):
-            local.fill_(1.0)
-        else:
-            local.normal_(std=args.dim**-0.5)
-    cache = model.rope_cache
-    cache.copy_(rope_cache(args.head_dim, cache.shape[0], args.rope_theta).to(cache.dtype))
+    for part in model.values() if isinstance(model, PipelineStages) else [model]:
+        init_weights(part)
+
+
+def init_llama(model: nn.Module) -> None:
+    """Real values for the built-in Llama (the llama family's initialiser), stage by stage."""
+    from hyperdryrun.models.registry import LLAMA
+
+    init_stages(model, LLAMA.init_weights)
 
 
 def measure_job(cfg: Any, capture_stacks: bool = True, device: str = "cpu") -> StepTrace:
     """Measure the built-in recipe for the rank that ``cfg`` names (the job :func:`hyperdryrun.recipe.run_job`
     dry-runs), with real tensors on ``device``."""
-    from hyperdryrun.parallel import MESH_DIMS, ParallelDims, build_optimizer
+    from hyperdryrun.parallel.optimizer import build_optimizer
     from hyperdryrun.recipe import (
         batch_fn,
         job_metadata,
@@ -333,7 +327,7 @@ def measure_job(cfg: Any, capture_stacks: bool = True, device: str = "cpu") -> S
     why = unsupported(cfg)
     if why:
         raise MeasureError(why)
-    dims = ParallelDims.from_config(cfg)
+    dims, family = cfg.dims, cfg.model.family
     held_fn = None
     if cfg.parallel.pp > 1:
         pipe = pipeline(cfg)
@@ -348,12 +342,12 @@ def measure_job(cfg: Any, capture_stacks: bool = True, device: str = "cpu") -> S
         step_fn=step_fn,
         parallelize_fn=parallelize_fn,
         optimizer_fn=lambda params: build_optimizer(params, cfg),
-        init_fn=init_llama,
+        init_fn=lambda model: init_stages(model, family.init_weights),
         world_size=cfg.world.world_size,
         rank=cfg.world.rank,
         local_rank=cfg.local_rank,
         mesh_shape=dims.mesh_shape,
-        mesh_dim_names=MESH_DIMS,
+        mesh_dim_names=dims.mesh_dim_names,
         device=device,
         num_micro_batches=cfg.training.num_micro_batches,
         capture_stacks=capture_stacks,

@@ -168,8 +168,8 @@ class DecoderLM(nn.Module):
             self.output = None
 
 
-class Transformer(DecoderLM):
-    """Decoder-only LM: tokens (bs, seq) -> logits (bs, seq, vocab)."""
+class LlamaTransformer(DecoderLM):
+    """The dense Llama decoder-only LM: tokens (bs, seq) -> logits (bs, seq, vocab)."""
 
     def __init__(self, args: LlamaArgs, max_seq_len: int) -> None:
         super().__init__()
@@ -187,13 +187,36 @@ class Transformer(DecoderLM):
 
     def init_weights(self) -> None:
         """Real initialisation (used only by real execution; a dry run needs no values)."""
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            else:
-                nn.init.normal_(p, std=1.0 / math.sqrt(self.args.dim))
+        init_llama_weights(self)
+
+
+Transformer = LlamaTransformer
+"""The dense model's name before the MoE family existed (kept for tests/test_bytes.py and user code)."""
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Token cross entropy in fp32, as torchtitan computes it."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+# Code above the loss runs in traced steps: reports name its lines, so new code goes below.
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The values this rank holds of a (possibly DTensor) parameter or buffer: writing them writes the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def init_llama_weights(model: DecoderLM) -> None:
+    """Real values for a Llama model or pipeline stage, on this rank's local shards: weights ~ N(0, 1/dim), norms
+    1, and the RoPE cache recomputed (``to_empty`` leaves buffers uninitialised)."""
+    args = model.args
+    for name, p in model.named_parameters():
+        local = local_shard(p)
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+        else:
+            local.normal_(std=1.0 / math.sqrt(args.dim))
+    cache = model.rope_cache
+    cache.copy_(rope_cache(args.head_dim, cache.shape[0], args.rope_theta).to(cache.dtype))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperdryrun.models.llama import DecoderLM, FeedForward, RMSNorm, apply_rope, rope_cache
+from hyperdryrun.models.llama import DecoderLM, FeedForward, RMSNorm, apply_rope, local_shard, rope_cache
 
 
 @dataclass(frozen=True)
@@ -273,9 +273,8 @@ class MoETransformer(DecoderLM):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        rope_dim = args.qk_rope_head_dim if args.attention == "mla" else args.head_dim
         self.register_buffer(
-            "rope_cache", rope_cache(rope_dim, max_seq_len, args.rope_theta), persistent=False
+            "rope_cache", rope_cache(rope_dim(args), max_seq_len, args.rope_theta), persistent=False
         )
         self.layers = nn.ModuleDict({str(i): MoEBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -285,8 +284,24 @@ class MoETransformer(DecoderLM):
 
     def init_weights(self) -> None:
         """Real initialisation (used only by real execution; a dry run needs no values)."""
-        for name, p in self.named_parameters():
-            if "norm" in name:
-                nn.init.ones_(p)
-            else:
-                nn.init.normal_(p, std=1.0 / math.sqrt(self.args.dim))
+        init_moe_weights(self)
+
+
+def rope_dim(args: MoEArgs) -> int:
+    """Per-head width that RoPE rotates: MLA's decoupled rope part, else the whole head."""
+    return args.qk_rope_head_dim if args.attention == "mla" else args.head_dim
+
+
+@torch.no_grad()
+def init_moe_weights(model: MoETransformer) -> None:
+    """Real values for an MoE model or pipeline stage, on this rank's local shards: weights ~ N(0, 1/dim), every
+    norm 1, and the RoPE cache recomputed (``to_empty`` leaves buffers uninitialised)."""
+    args = model.args
+    for name, p in model.named_parameters():
+        local = local_shard(p)
+        if "norm" in name:
+            local.fill_(1.0)
+        else:
+            local.normal_(std=1.0 / math.sqrt(args.dim))
+    cache = model.rope_cache
+    cache.copy_(rope_cache(rope_dim(args), cache.shape[0], args.rope_theta).to(cache.dtype))

@@ -4,7 +4,7 @@ Each micro batch runs under ``torch.distributed.tensor.experimental.context_para
 tokens, the labels and the RoPE buffer are sharded along the sequence in torch's default head-tail load-balanced
 layout (rank r keeps chunks r and 2*cp-1-r of 2*cp), and ``F.scaled_dot_product_attention`` is dispatched through
 DTensor to torch's ``_templated_ring_attention``, whose K/V exchanges are collectives on the fake process group.
-FSDP2 shards over dp_shard and cp together ("dp_shard_cp", see :func:`hyperdryrun.parallel.fsdp_mesh`).
+FSDP2 shards over dp_shard and cp together ("dp_shard_cp", see :func:`hyperdryrun.parallel.fsdp.fsdp_mesh`).
 """
 
 from __future__ import annotations

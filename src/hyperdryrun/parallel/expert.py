@@ -15,15 +15,20 @@ over ep). torchtitan's etp = 1 with ep > 1, where EP borrows the tp ranks, is no
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyperdryrun.config import JobConfig
-from hyperdryrun.parallel import DTYPES, apply_ac, fsdp_enabled
+from hyperdryrun.models.moe import MLAttention
+from hyperdryrun.parallel.ac import apply_ac
+from hyperdryrun.parallel.fsdp import fsdp_enabled, fsdp_mesh, mixed_precision
+from hyperdryrun.parallel.tp import apply_tp, decoder_block_tp_plan
 from hyperdryrun.world.values import ValueRuleError, active_rules
+
+if TYPE_CHECKING:
+    from hyperdryrun.config import JobConfig
 
 
 def expert_meshes(mesh: Any, cfg: JobConfig) -> tuple[Any, Any, Any]:
@@ -206,6 +211,24 @@ class TensorParallel(ParallelStyle):
         )
 
 
+def moe_block_tp_plan(block: nn.Module, seq: Any) -> dict:
+    """The TP plan of an MoE decoder block around its MoE layer (which :func:`apply_moe_tp` splits): attention
+    split by heads and the dense FFN of the leading dense layers Megatron style, norms sequence parallel. MLA
+    (torchtitan's deepseek_v3 plan): the low-rank down projections and their norms stay replicated, the per-head
+    up projections are split by heads."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    if isinstance(block.attention, MLAttention):
+        projections: dict = {
+            f"attention.{name}": NoParallel() for name in ("wq_a", "q_norm", "wkv_a", "kv_norm")
+        }
+        projections["attention.wq_b"] = ColwiseParallel()
+        projections["attention.wkv_b"] = ColwiseParallel()
+    else:
+        projections = {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv")}
+    return decoder_block_tp_plan(block, seq, projections)
+
+
 def apply_moe_tp(
     model: nn.Module, tp_mesh: Any, ep_mesh: Any | None, ep_tp_mesh: Any | None, cfg: JobConfig
 ) -> None:
@@ -255,16 +278,12 @@ def apply_ep(model: nn.Module, ep_mesh: Any, top_k: int) -> None:
 
 
 def apply_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig) -> None:
-    """FSDP2 as :func:`hyperdryrun.parallel.apply_fsdp`, with the routed experts wrapped first over
+    """FSDP2 as :func:`hyperdryrun.parallel.fsdp.apply_fsdp`, with the routed experts wrapped first over
     ``expert_mesh`` when EP is on (torchtitan: experts over ``dp_shard_mod_ep``, the rest over ``dp_shard``)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    t = cfg.training
-    mp = MixedPrecisionPolicy(
-        param_dtype=DTYPES[t.param_dtype] if t.param_dtype else None,
-        reduce_dtype=DTYPES[t.reduce_dtype] if t.reduce_dtype else None,
-    )
+    mp = mixed_precision(cfg)
     reshard = cfg.parallel.reshard_after_forward
     n = len(model.layers)
     for i, block in enumerate(model.layers.values()):
@@ -290,19 +309,16 @@ def apply_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg:
 def parallelize_moe(model: nn.Module, mesh: Any, cfg: JobConfig) -> nn.Module:
     """TP and EP, then AC, then FSDP2/HSDP (torchtitan's order for MoE models), all torch-native, from outside the
     model."""
-    from hyperdryrun.parallel import apply_tp
-
     p = cfg.parallel
     ep_mesh = expert_mesh = ep_tp_mesh = None
     if p.ep > 1:
         ep_mesh, expert_mesh, ep_tp_mesh = expert_meshes(mesh, cfg)
     if p.tp > 1:
-        apply_tp(model, mesh["tp"], cfg)
+        apply_tp(model, mesh["tp"], cfg, moe_block_tp_plan)
         apply_moe_tp(model, mesh["tp"], ep_mesh, ep_tp_mesh, cfg)
     elif ep_mesh is not None:
         apply_ep(model, ep_mesh, cfg.model.args().top_k)
     apply_ac(model, cfg.training.ac, cfg.training.ac_selective)
     if fsdp_enabled(cfg):
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1 else mesh["dp_shard"]
-        apply_moe_fsdp(model, dp_mesh, expert_mesh, cfg)
+        apply_moe_fsdp(model, fsdp_mesh(mesh, cfg), expert_mesh, cfg)
     return model

@@ -1,4 +1,4 @@
-"""Pipeline parallelism with torch-native ``torch.distributed.pipelining``, applied to the built-in Llama model.
+"""Pipeline parallelism with torch-native ``torch.distributed.pipelining``, applied to the built-in decoders.
 
 A rank builds only its own stage(s) — torchtitan's manual split: a copy of the whole model with the layers of
 other stages deleted, the embedding kept on the first stage and norm + head on the last — parallelizes each stage
@@ -12,15 +12,18 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from hyperdryrun.config import V_SCHEDULES, JobConfig
+from hyperdryrun.parallel.fsdp import DTYPES, fsdp_enabled
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.trace.tracker import active_tracker
 from hyperdryrun.world.patches import Patch, PatchSet
+
+if TYPE_CHECKING:
+    from hyperdryrun.config import JobConfig
 
 
 class PipelineError(RuntimeError):
@@ -53,19 +56,6 @@ def stage_layer_ranges(cfg: JobConfig) -> list[range]:
     return ranges
 
 
-def stage_indices(pp_rank: int, cfg: JobConfig) -> tuple[int, ...]:
-    """The stages a pipeline rank holds: looped (r, r+pp, ...) or, for V schedules, (r, 2*pp-1-r)."""
-    p = cfg.parallel
-    if p.pp_schedule in V_SCHEDULES:
-        return (pp_rank, p.pp_num_stages - 1 - pp_rank)
-    return tuple(pp_rank + k * p.pp for k in range(p.pp_stages_per_rank))
-
-
-def pp_rank_of(rank: int, cfg: JobConfig) -> int:
-    """A global rank's pipeline coordinate: ``pp`` is the outermost mesh dimension."""
-    return rank // (cfg.world.world_size // cfg.parallel.pp)
-
-
 class PipelineStages(nn.ModuleDict):
     """The stage modules one rank holds, keyed ``stage<i>`` (one root for the engine when a rank has several)."""
 
@@ -74,20 +64,20 @@ class PipelineStages(nn.ModuleDict):
 
 
 def split_stages(model: nn.Module, cfg: JobConfig, stage_ids: tuple[int, ...]) -> list[nn.Module]:
-    """This rank's stage modules cut from the whole (meta) model, torchtitan's ``pipeline_module_split`` way."""
+    """This rank's stage modules cut from the whole (meta) model, torchtitan's ``pipeline_module_split`` way, by
+    the model family's pipeline cut."""
     ranges = stage_layer_ranges(cfg)
     last = cfg.parallel.pp_num_stages - 1
+    cut = cfg.model.family.pipeline_cut
     parts = []
     for k, s in enumerate(stage_ids):
         part = model if k == len(stage_ids) - 1 else copy.deepcopy(model)
-        part.keep_stage(ranges[s], embedding=s == 0, head=s == last)
+        cut(part, ranges[s], embedding=s == 0, head=s == last)
         parts.append(part)
     return parts
 
 
 def _activation_dtype(cfg: JobConfig) -> torch.dtype:
-    from hyperdryrun.parallel import DTYPES, fsdp_enabled
-
     t = cfg.training
     return DTYPES[t.param_dtype] if fsdp_enabled(cfg) and t.param_dtype else DTYPES[t.dtype]
 
@@ -194,11 +184,11 @@ def static_vote_patch() -> Patch:
     )
 
 
-class LlamaPipeline:
-    """The pipeline-parallel part of the built-in recipe: split + parallelize (on meta), then each step runs the
-    schedule over this rank's stages and the optimizer.
+class DecoderPipeline:
+    """The pipeline-parallel part of the built-in recipe, for every built-in decoder (Llama and MoE): split +
+    parallelize (on meta), then each step runs the schedule over this rank's stages and the optimizer.
 
-    >>> pipe = LlamaPipeline(cfg, parallelize_stage, loss_fn, loss_context)
+    >>> pipe = DecoderPipeline(cfg, parallelize_stage, loss_fn, loss_context)
     >>> simulate(..., parallelize_fn=pipe.parallelize, step_fn=pipe.step)
     """
 
@@ -213,8 +203,9 @@ class LlamaPipeline:
         self.parallelize_stage = parallelize_stage
         self.loss_fn = loss_fn
         self.loss_context = loss_context
-        self.pp_rank = pp_rank_of(cfg.world.rank, cfg)
-        self.stage_ids = stage_indices(self.pp_rank, cfg)
+        coords = cfg.dims.coordinates(cfg.world.rank)
+        self.pp_rank = coords.pp
+        self.stage_ids = coords.stages
         self.num_stages = cfg.parallel.pp_num_stages
         self.schedule: Any = None
         self._mesh: Any = None

@@ -1,0 +1,68 @@
+"""FSDP2 / HSDP: which mesh parameters are sharded over, the mixed-precision policy, and the wrapping order."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from hyperdryrun.config import JobConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""The job config's dtype names as torch dtypes."""
+
+
+def fsdp_enabled(cfg: JobConfig) -> bool:
+    """FSDP2 is applied when data is sharded/replicated, with context parallel (whose ranks share the parameters
+    and reduce their gradients, torchtitan's ``fsdp_enabled``), or to get its mixed-precision policy."""
+    t, p = cfg.training, cfg.parallel
+    mixed = (t.param_dtype not in (None, t.dtype)) or (t.reduce_dtype not in (None, t.dtype))
+    return p.dp_shard * p.dp_replicate * p.cp > 1 or mixed
+
+
+def fsdp_mesh(mesh: Any, cfg: JobConfig) -> Any:
+    """The mesh FSDP2 shards over: dp_shard, joined by cp into torchtitan's flattened "dp_shard_cp" when cp > 1,
+    with dp_replicate in front for HSDP."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1 else mesh["dp_shard"]
+    # DeviceMesh._flatten: private in torch 2.13, as torchtitan uses it.
+    flat = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+    if p.dp_replicate == 1:
+        return flat
+    with warnings.catch_warnings():
+        # torch 2.13 warns that slicing a flattened dim from the root mesh "will be deprecated in PT 2.11"; it is
+        # how torchtitan builds the HSDP mesh, and 2.13 offers no other way to pair dp_replicate with dp_shard_cp.
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+        return mesh["dp_replicate", "dp_shard_cp"]
+
+
+def mixed_precision(cfg: JobConfig) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` from the job's param_dtype and reduce_dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    t = cfg.training
+    return MixedPrecisionPolicy(
+        param_dtype=DTYPES[t.param_dtype] if t.param_dtype else None,
+        reduce_dtype=DTYPES[t.reduce_dtype] if t.reduce_dtype else None,
+    )
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: Any, cfg: JobConfig) -> None:
+    """FSDP2 on every decoder block, then on the root (torchtitan's order)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mp = mixed_precision(cfg)
+    n = len(model.layers)
+    for i, block in enumerate(model.layers.values()):
+        # torchtitan's default: the last block stays unsharded, backward needs it at once.
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            mp_policy=mp,
+            reshard_after_forward=cfg.parallel.reshard_after_forward and i < n - 1,
+        )
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)
