@@ -21,10 +21,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     # recipe -> the package root, upward: `from hyperdryrun import __version__` for the job metadata. Owner of
     # recipe.py: importlib.metadata.version("hyperdryrun"), or __version__ in a leaf module both import.
     ("hyperdryrun.recipe", "hyperdryrun"): "upward",
-    # A cycle: parallel/__init__.py imports NoParallel from parallel.expert (inside a function), which imports
-    # DTYPES, apply_ac, fsdp_enabled and apply_tp from parallel/__init__.py. Owner of parallel/: NoParallel into
-    # __init__.py, or the shared helpers into a module both import.
-    ("hyperdryrun.parallel", "hyperdryrun.parallel.expert"): "cycle",
 }
 
 
