@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import csv
+import importlib
+import os
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -34,3 +37,14 @@ def csv_blocks(path: Path) -> list[dict[str, str]]:
 
 def live_at(rows: list[dict[str, str]], task: int) -> list[dict[str, str]]:
     return [r for r in rows if int(r["start_time_stamp"]) <= task < int(r["end_time_stamp"])]
+
+
+def need(module: str, why: str) -> ModuleType:
+    """Import an optional test dependency; outside CI skip loudly when it is missing, under CI fail (CI installs
+    ``.[dev]``, so a missing one there is a broken set-up, not a reason to pass)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"SKIPPED LOUDLY: {module} is not installed ({why}); pip install -e '.[dev]'")
