@@ -86,3 +86,37 @@ def test_without_matplotlib_plots_are_a_one_line_error_naming_the_extra(monkeypa
     ):
         write_plots(load_output_dir(run_dir), run_dir / "never")
     assert not (run_dir / "never").exists()
+
+
+def test_report_plot_writes_the_page_and_the_pngs(run_dir: Path, tmp_path: Path, capsys) -> None:
+    need("matplotlib", "PNG plots")
+    from hyperdryrun.cli import main
+
+    html = tmp_path / "r.html"
+    assert main(["report", str(run_dir), "--html", str(html), "--plot", str(tmp_path / "png")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"wrote {html}" and len(out) == 6
+    assert sorted(p.name for p in (tmp_path / "png").iterdir()) == sorted(
+        [
+            "timeline_rank_0.png",
+            "timeline_rank_1.png",
+            "breakdown_rank_0.png",
+            "breakdown_rank_1.png",
+            "ranks.png",
+        ]
+    )
+
+
+def test_report_plot_without_matplotlib_writes_nothing(
+    monkeypatch, run_dir: Path, tmp_path: Path, capsys
+) -> None:
+    from hyperdryrun.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert main(["report", str(run_dir), "--html", str(tmp_path / "r.html"), "--plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "hyperdryrun: error: PNG plots need matplotlib, which is not installed: pip install 'hyperdryrun[viz]'\n"
+    )
+    assert list(tmp_path.iterdir()) == []

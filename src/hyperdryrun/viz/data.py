@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,19 @@ class Side:
     def rank(self) -> int | None:
         r = (self.report.get("metadata") or {}).get("rank")
         return r if isinstance(r, int) and not isinstance(r, bool) else None
+
+
+def as_sides(items: Sequence[Side | tuple[dict[str, Any], Any]]) -> list[Side]:
+    """Sides from Sides or ``(report, trace)`` pairs (what a reporter holds after a run), labelled by rank."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, Side):
+            out.append(item)
+            continue
+        report, trace = item
+        rank = (report.get("metadata") or {}).get("rank")
+        out.append(Side(f"rank {rank}" if isinstance(rank, int) else f"side {i}", report, trace))
+    return out
 
 
 def load_side(path: str | os.PathLike, label: str | None = None, device: str | None = None) -> Side:

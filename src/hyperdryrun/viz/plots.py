@@ -15,7 +15,7 @@ from typing import Any
 
 from hyperdryrun.report.schema import human_bytes
 from hyperdryrun.trace.blocks import CATEGORY_ORDER, Phase
-from hyperdryrun.viz.data import Side, category_timeline, phase_spans
+from hyperdryrun.viz.data import Side, as_sides, category_timeline, phase_spans
 from hyperdryrun.viz.files import write_atomic
 from hyperdryrun.viz.style import (
     CATEGORY_COLORS,
@@ -36,14 +36,22 @@ class MissingExtra(ImportError):
     """An optional dependency that a picture needs is not installed; the message names the extra."""
 
 
-def _figure(width: float, height: float) -> Any:
+def require_matplotlib() -> None:
+    """Raise :class:`MissingExtra` (naming the extra) unless matplotlib can be imported."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        import matplotlib.backends.backend_agg  # noqa: F401
+        import matplotlib.figure  # noqa: F401
     except ImportError:
         raise MissingExtra(
             f"PNG plots need matplotlib, which is not installed: pip install 'hyperdryrun[{EXTRA}]'"
         ) from None
+
+
+def _figure(width: float, height: float) -> Any:
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
@@ -207,12 +215,15 @@ def sides_png(sides: Sequence[Side], compare: bool = False) -> bytes:
     return _png(fig)
 
 
-def write_plots(sides: Sequence[Side], out_dir: str | os.PathLike, compare: bool = False) -> list[Path]:
+def write_plots(
+    sides: Sequence[Side | tuple[dict[str, Any], Any]], out_dir: str | os.PathLike, compare: bool = False
+) -> list[Path]:
     """``timeline_<side>.png`` and ``breakdown_<side>.png`` for each side, and ``ranks.png`` (several ranks) or
     ``compare.png`` (a comparison) with all sides on one axis; returns the paths written.
 
     A side without a trace (a JSON report without its CSV) gets its breakdown only.
     """
+    sides = as_sides(sides)
     out = Path(out_dir)
     written = []
     for s in sides:
