@@ -270,3 +270,26 @@ def test_the_8b_page_is_small_and_opens_in_under_two_seconds(
     print(f"\n8B report: {size / 2**20:.2f} MiB, opened in {min(loads):.2f} s (loads {loads})")
     assert size < 3 * 2**20
     assert min(loads) < 2.0
+
+
+def test_reserved_and_device_lines_are_drawn_when_a_side_has_them(
+    browser, run_dir: Path, tmp_path: Path
+) -> None:
+    """An allocator model's series (here made up: allocated + 2 MiB, and a flat device line) become lines over the
+    stack, beside an allocated line that is the top of the stack."""
+    from hyperdryrun.trace.blocks import live_bytes_by_task
+    from hyperdryrun.viz import load_side
+    from hyperdryrun.viz.html import write_html
+
+    side = load_side(run_dir / "rank_0" / "rank_0_memory.json")
+    live = live_bytes_by_task(side.trace.blocks, side.trace.num_tasks)
+    side.series = {"reserved": [v + (2 << 20) for v in live], "device": [max(live) + (8 << 20)] * len(live)}
+    out = write_html([side], tmp_path / "series.html")
+    p = Page(browser, out)
+    labels = p.js("hdr.timeline.series.slice(1).map(s => s.label)")
+    assert labels == [*(str(c) for c in Category), "allocated", "reserved", "device"]
+    data = p.js("hdr.timeline.data")
+    assert data[-3][: len(live)] == live
+    assert data[-2][: len(live)] == side.series["reserved"]
+    p.clean()
+    p.close()

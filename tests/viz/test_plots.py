@@ -120,3 +120,22 @@ def test_report_plot_without_matplotlib_writes_nothing(
         == "hyperdryrun: error: PNG plots need matplotlib, which is not installed: pip install 'hyperdryrun[viz]'\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_reserved_line_is_drawn_in_its_colour(run_dir: Path, tmp_path: Path) -> None:
+    need("matplotlib", "PNG plots")
+    from hyperdryrun.trace.blocks import live_bytes_by_task
+    from hyperdryrun.viz import load_side
+    from hyperdryrun.viz.plots import timeline_png
+    from hyperdryrun.viz.style import RESERVED_COLOR
+
+    side = load_side(run_dir / "rank_0" / "rank_0_memory.json")
+    live = live_bytes_by_task(side.trace.blocks, side.trace.num_tasks)
+    plain = tmp_path / "plain.png"
+    plain.write_bytes(timeline_png(side))
+    side.series = {"reserved": [v + (1 << 20) for v in live]}
+    lined = tmp_path / "lined.png"
+    lined.write_bytes(timeline_png(side))
+    colours = {rgb for _, rgb in _image(lined).getcolors(1 << 24)}
+    assert _rgb(RESERVED_COLOR) in colours
+    assert _rgb(RESERVED_COLOR) not in {rgb for _, rgb in _image(plain).getcolors(1 << 24)}
