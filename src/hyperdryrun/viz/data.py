@@ -38,11 +38,6 @@ class Side:
     source: str = ""
     series: dict[str, list[int]] = field(default_factory=dict)
 
-    @property
-    def rank(self) -> int | None:
-        r = (self.report.get("metadata") or {}).get("rank")
-        return r if isinstance(r, int) and not isinstance(r, bool) else None
-
 
 def as_sides(items: Sequence[Side | tuple[dict[str, Any], Any]]) -> list[Side]:
     """Sides from Sides or ``(report, trace)`` pairs (what a reporter holds after a run), labelled by rank."""
