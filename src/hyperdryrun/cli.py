@@ -10,10 +10,19 @@ from hyperdryrun.commands import OneLineParser
 from hyperdryrun.commands import audit_kernels as audit_kernels_command
 from hyperdryrun.commands import compare as compare_command
 from hyperdryrun.commands import measure as measure_command
+from hyperdryrun.commands import report as report_command
 from hyperdryrun.commands import run as run_command
+from hyperdryrun.commands import snapshot as snapshot_command
 from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, config_from_args  # noqa: F401  (public re-exports)
 
-COMMANDS = [run_command, measure_command, compare_command, audit_kernels_command]
+COMMANDS = [
+    run_command,
+    measure_command,
+    compare_command,
+    audit_kernels_command,
+    snapshot_command,
+    report_command,
+]
 """Each module registers one subcommand (memray's layout: one small module per command)."""
 
 
