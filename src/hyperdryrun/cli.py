@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from hyperdryrun import __version__
 from hyperdryrun.commands import OneLineParser
 from hyperdryrun.commands import audit_kernels as audit_kernels_command
 from hyperdryrun.commands import compare as compare_command
@@ -14,6 +13,7 @@ from hyperdryrun.commands import report as report_command
 from hyperdryrun.commands import run as run_command
 from hyperdryrun.commands import snapshot as snapshot_command
 from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, config_from_args  # noqa: F401  (public re-exports)
+from hyperdryrun.version import __version__
 
 COMMANDS = [
     run_command,

@@ -33,7 +33,7 @@ class Side:
 
 
 def as_report(loaded: Any) -> dict[str, Any]:
-    """A report dict from what :func:`hyperdryrun.ingest.load.load_any` returns (a report dict or a StepTrace)."""
+    """A report dict from what :func:`hyperdryrun.report.reader.load_any` returns (a report dict or a StepTrace)."""
     if isinstance(loaded, dict):
         return loaded
     return build_report(loaded, live_set_limit=len(loaded.blocks))

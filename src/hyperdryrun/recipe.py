@@ -9,7 +9,6 @@ import contextlib
 
 import torch
 
-from hyperdryrun import __version__
 from hyperdryrun.config import JobConfig
 from hyperdryrun.engine import StepTrace, micro_batch_step, simulate
 from hyperdryrun.models.llama import cross_entropy_loss
@@ -18,6 +17,7 @@ from hyperdryrun.parallel.fsdp import DTYPES, fsdp_enabled
 from hyperdryrun.parallel.optimizer import build_optimizer
 from hyperdryrun.parallel.pipeline import DecoderPipeline
 from hyperdryrun.parallel.train_spec import train_spec
+from hyperdryrun.version import __version__
 from hyperdryrun.world.values import use_rules
 
 

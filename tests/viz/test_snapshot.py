@@ -15,7 +15,7 @@ import pytest
 
 from hyperdryrun import StepTrace
 from hyperdryrun.cli import main
-from hyperdryrun.ingest.load import load_any
+from hyperdryrun.report.reader import load_any
 from hyperdryrun.trace.blocks import PERSISTENT_END, Block, Category, Phase
 from hyperdryrun.trace.stacks import StackTable
 from hyperdryrun.viz import Segment, SnapshotError, build_snapshot, load_side

@@ -1,6 +1,6 @@
 """What the pictures read: a rank's report dict and its trace (blocks), loaded from the files HyperDryRun writes.
 
-Inputs are the public readers' outputs only: :func:`hyperdryrun.ingest.load.load_any` gives a report dict for a JSON
+Inputs are the public readers' outputs only: :func:`hyperdryrun.report.reader.load_any` gives a report dict for a JSON
 report (the CSV beside it gives the trace) and a StepTrace for a CSV, a profiler trace or a CUDA snapshot, so
 dry-run, measured and ingested pictures draw alike.
 """
@@ -57,8 +57,9 @@ def load_side(path: str | os.PathLike, label: str | None = None, device: str | N
 
     A CSV named like a report's (``rank_0_memory.csv``) with its JSON beside it loads as that report.
     """
-    from hyperdryrun import build_report
-    from hyperdryrun.ingest.load import IngestError, load_any
+    from hyperdryrun.ingest.files import IngestError
+    from hyperdryrun.report.build import build_report
+    from hyperdryrun.report.reader import load_any
 
     p = Path(path)
     if p.suffix == ".csv" and p.with_suffix(".json").is_file():

@@ -19,9 +19,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hyperdryrun import __version__
 from hyperdryrun.report.console import by_unit
 from hyperdryrun.trace.blocks import CATEGORY_ORDER, PERSISTENT_END, Category, Phase
+from hyperdryrun.version import __version__
 from hyperdryrun.viz.data import Side, as_sides, category_timeline, phase_spans
 from hyperdryrun.viz.files import write_atomic
 from hyperdryrun.viz.style import (
