@@ -7,7 +7,8 @@ Exit codes, the same for every command (a CI gate may read them):
   audit mismatch; nothing else;
 - 2 bad input: a flag, the job file, a value rule, an output directory that cannot be written;
 - 3 an internal error: one line (with the report path when one was written), ``--debug`` shows the traceback;
-- 130 interrupted by SIGINT (Ctrl-C), 143 stopped by SIGTERM: one line, nothing written after the signal.
+- 130 interrupted by SIGINT (Ctrl-C), 143 stopped by SIGTERM: one line, nothing written after the signal;
+- 141 stdout was closed by its reader (``| head``), silently, as a shell reports SIGPIPE.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 from hyperdryrun.report.build import one_line
 
 EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
-EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
+EXIT_SIGINT, EXIT_SIGTERM, EXIT_SIGPIPE = 128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE
 EXIT_ERROR = EXIT_BAD_INPUT
 """The name of exit code 2 from before internal errors had their own code."""
 
