@@ -6,6 +6,7 @@ start-up only; one case runs the real dry run in workers and in this process and
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -95,6 +96,7 @@ def test_workers_write_the_same_bytes_as_this_process(tmp_path):
         assert one.trace is not None and one.report == outcomes[[1, 0].index(rank)].report
         for p in pair(rank):
             assert (tmp_path / "out" / p).read_bytes() == many[p]
+        assert one.report == json.loads(many[f"rank_{rank}/rank_{rank}_memory.json"])  # the report as written
 
 
 def test_reporters_none_writes_nothing_and_still_returns_the_reports(tmp_path):

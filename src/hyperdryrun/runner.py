@@ -126,10 +126,11 @@ def _write(done: _Computed, output_dir: str, reporters: Sequence[str]) -> RankOu
     rank, error, kind, tb = done.rank, done.error, done.kind, done.traceback
     if done.result is None:
         return RankOutcome(rank, error=error, error_kind=kind, traceback=tb)
-    report, trace = done.result.report, done.result.trace
+    trace = done.result.trace
     try:
         paths = [str(p) for p in write_rank_reports(done.result, output_dir, reporters)]
     except OSError as err:
+        report = done.result.report
         if error is not None:
             error = f"{error} (and the error report could not be written: {err})"
             return RankOutcome(rank, report, [], error, kind, tb, trace)
@@ -137,7 +138,7 @@ def _write(done: _Computed, output_dir: str, reporters: Sequence[str]) -> RankOu
         return RankOutcome(rank, report, [], error, BAD_INPUT, _formatted(err), trace)
     if error is not None and paths:
         error = f"{error} (report: {paths[0]})"
-    return RankOutcome(rank, report, paths, error, kind, tb, trace)
+    return RankOutcome(rank, done.result.report, paths, error, kind, tb, trace)  # the report as written
 
 
 def run_rank(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 from pathlib import Path
@@ -39,6 +40,18 @@ def test_json_and_csv_are_one_pair_written_once(tmp_path, names):
     assert paths == [d / "rank_2_memory.json", d / "rank_2_memory.csv"]
     assert listing(tmp_path) == {"rank_2", "rank_2/rank_2_memory.json", "rank_2/rank_2_memory.csv"}
     assert (d / "rank_2_memory.csv").read_text() == CSV_TEXT
+
+
+def test_after_writing_the_rank_report_is_what_the_json_file_holds(tmp_path):
+    rank = ok(1)
+    json_path, csv_path = write_rank_reports(rank, tmp_path)
+    assert rank.report == json.loads(json_path.read_text())
+    data = csv_path.read_bytes()
+    assert rank.report["csv_file"] == {
+        "name": "rank_1_memory.csv",
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
 
 
 def test_a_new_reporter_is_one_registration(tmp_path, monkeypatch):

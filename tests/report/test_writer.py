@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -128,13 +129,19 @@ def ok_report(**summary) -> dict:
     }
 
 
+def csv_file_of(path: Path) -> dict:
+    """What a JSON must say of the CSV at ``path``: derived from the bytes on disk."""
+    data = path.read_bytes()
+    return {"name": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def test_write_reports_writes_both_files(tmp_path, umask_022):
     paths = write_reports(ok_report(), CSV_TEXT, tmp_path, 3)
     json_path = tmp_path / "rank_3" / "rank_3_memory.json"
     csv_path = tmp_path / "rank_3" / "rank_3_memory.csv"
     assert paths == [json_path, csv_path]
     assert listing(tmp_path) == {"rank_3", "rank_3/rank_3_memory.json", "rank_3/rank_3_memory.csv"}
-    assert json.loads(json_path.read_text()) == ok_report()
+    assert json.loads(json_path.read_text()) == {**ok_report(), "csv_file": csv_file_of(csv_path)}
     assert json_path.read_text().endswith("}\n")
     assert csv_path.read_text() == CSV_TEXT
     for p in paths:
@@ -306,5 +313,24 @@ def test_a_new_pair_replaces_the_old_one_and_leaves_no_backup(tmp_path):
     old_pair(tmp_path)
     write_reports(ok_report(), CSV_TEXT, tmp_path, 0)
     assert listing(tmp_path) == PAIR
-    assert (tmp_path / "rank_0" / "rank_0_memory.csv").read_text() == CSV_TEXT
-    assert json.loads((tmp_path / "rank_0" / "rank_0_memory.json").read_text()) == ok_report()
+    csv_path = tmp_path / "rank_0" / "rank_0_memory.csv"
+    assert csv_path.read_text() == CSV_TEXT
+    assert json.loads((tmp_path / "rank_0" / "rank_0_memory.json").read_text()) == {
+        **ok_report(),
+        "csv_file": csv_file_of(csv_path),
+    }
+
+
+def test_the_json_names_sizes_and_hashes_its_csv_and_the_key_comes_last(tmp_path):
+    csv_text = 'start,end\r\n"x\ny",é\n'  # CRLF, a quoted newline, a 2-byte character: bytes, not characters
+    json_path, csv_path = write_reports(ok_report(), csv_text, tmp_path, 0)
+    written = json.loads(json_path.read_text())
+    assert list(written) == [*ok_report(), "csv_file"]
+    assert written["csv_file"] == csv_file_of(csv_path)
+    assert written["csv_file"]["bytes"] == len(csv_text) + 1 == 20  # 19 characters, é is two bytes in UTF-8
+    assert written["csv_file"]["name"] == "rank_0_memory.csv"
+
+
+def test_an_error_report_carries_no_csv_file(tmp_path):
+    err = {"schema_version": 1, "status": "error", "stage": "step", "error": {"type": "X", "message": "m"}}
+    assert "csv_file" not in json.loads(write_error_report(err, tmp_path, 0).read_text())

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyperdryrun.report.writer import write_error_report, write_reports
+from hyperdryrun.report.writer import rank_paths, with_csv_file, write_error_report, write_reports
 
 
 @dataclass
@@ -92,13 +92,16 @@ def write_rank_reports(
 
 
 def write_json_and_csv(rank: RankReport, output_dir: Path) -> list[Path]:
-    """``rank_<r>/rank_<r>_memory.json`` and ``.csv`` as a pair; for a failed run, the error JSON alone (a CSV left
-    from an earlier run would contradict it, so it goes)."""
+    """``rank_<r>/rank_<r>_memory.json`` and ``.csv`` as a pair (``rank.report`` then holds the JSON's description
+    of its CSV); for a failed run, the error JSON alone (a CSV left from an earlier run would contradict it)."""
     if not rank.ok:
         return [write_error_report(rank.report, output_dir, rank.rank)]
     if rank.csv_text is None:
         raise ValueError(f"rank {rank.rank}: an ok report needs its block CSV (csv_text is None)")
-    return write_reports(rank.report, rank.csv_text, output_dir, rank.rank)
+    written = with_csv_file(rank.report, rank_paths(output_dir, rank.rank)[1].name, rank.csv_text)
+    paths = write_reports(rank.report, rank.csv_text, output_dir, rank.rank)
+    rank.report = written  # what the JSON file holds
+    return paths
 
 
 register_reporter("json", write_json_and_csv)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from hyperdryrun.report.schema import CSV_FILE_KEY
 
 
 def rank_paths(output_dir: str | os.PathLike, rank: int) -> tuple[Path, Path]:
@@ -107,13 +110,25 @@ def to_json(report: dict[str, Any]) -> str:
     return json.dumps(report, indent=2, sort_keys=False, allow_nan=False) + "\n"
 
 
+def with_csv_file(report: dict[str, Any], csv_name: str, csv_text: str) -> dict[str, Any]:
+    """``report`` with :data:`~hyperdryrun.report.schema.CSV_FILE_KEY`: the name, byte size and sha256 of the CSV
+    ``csv_text`` as written (UTF-8), so a reader can tell whether the CSV beside the JSON is its own."""
+    data = csv_text.encode("utf-8")
+    return {
+        **report,
+        CSV_FILE_KEY: {"name": csv_name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+    }
+
+
 def write_reports(
     report: dict[str, Any], csv_text: str, output_dir: str | os.PathLike, rank: int
 ) -> list[Path]:
     """Both files of one rank, written as a pair: the CSV is renamed into place first and the JSON last, so a JSON
-    with ``status: ok`` always has its own CSV beside it, and a failure leaves the previous pair as it was."""
+    with ``status: ok`` always has its own CSV beside it (named, sized and hashed in the JSON), and a failure leaves
+    the previous pair as it was."""
     json_path, csv_path = rank_paths(output_dir, rank)
-    text = to_json(report)  # serialise before touching the disk: a bad value fails with nothing written
+    # serialise before touching the disk: a bad value fails with nothing written
+    text = to_json(with_csv_file(report, csv_path.name, csv_text))
     write_together([(csv_path, csv_text), (json_path, text)])
     return [json_path, csv_path]
 
