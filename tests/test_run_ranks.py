@@ -21,6 +21,12 @@ def test_all_ranks_writes_each_rank_and_reports_the_same_peaks_as_single_runs(tm
     assert main([*common, "--all-ranks", "--jobs", "2", "--output-dir", str(tmp_path / "many")]) == 0
     table = capsys.readouterr().out
     assert "3 of 3 ranks" in table and "max peak" in table
+    wrote = [line.removeprefix("wrote ") for line in table.splitlines() if line.startswith("wrote ")]
+    assert wrote == [
+        str(tmp_path / "many" / f"rank_{r}" / f"rank_{r}_memory.{ext}")
+        for r in range(3)
+        for ext in ("json", "csv")
+    ]
     # Uneven FSDP shards (64 rows over 3 ranks): the last rank owns fewer rows, so ranks need not agree; each
     # subprocess's report must equal the same rank simulated alone in this process.
     for rank in range(3):

@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import traceback
 from collections.abc import Sequence
 
-from hyperdryrun.commands import OneLineParser
+from hyperdryrun.commands import (
+    EXIT_SIGINT,
+    EXIT_SIGPIPE,
+    EXIT_SIGTERM,
+    OneLineParser,
+    Terminated,
+    fail,
+    internal_error,
+    sigterm_raises,
+)
 from hyperdryrun.commands import audit_kernels as audit_kernels_command
 from hyperdryrun.commands import compare as compare_command
 from hyperdryrun.commands import measure as measure_command
@@ -30,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="hyperdryrun",
         description="Per-rank accelerator memory of one distributed training step, on a CPU-only machine.",
+        epilog="exit codes: 0 done, 1 the verdict failed (OOM, outside --tolerance), 2 bad input, 3 internal "
+        "error, 130 SIGINT, 143 SIGTERM, 141 stdout closed by its reader",
     )
     parser.add_argument("--version", action="version", version=f"hyperdryrun {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -39,8 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run one command and return its exit code (see :mod:`hyperdryrun.commands`): what escapes a command is an
+    internal error on one line, Ctrl-C and SIGTERM one line each."""
+    from hyperdryrun.runner import BAD_INPUT, error_kind
+
+    args = None
+    try:
+        with sigterm_raises():
+            args = build_parser().parse_args(argv)
+            return args.func(args)
+    except KeyboardInterrupt:
+        sys.stderr.write("hyperdryrun: interrupted (SIGINT)\n")
+        return EXIT_SIGINT
+    except Terminated:
+        sys.stderr.write("hyperdryrun: terminated (SIGTERM)\n")
+        return EXIT_SIGTERM
+    except BrokenPipeError:  # stdout's reader went away (``| head``): as a shell would, quietly
+        os.dup2(
+            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
+        )  # no second error when Python flushes it
+        return EXIT_SIGPIPE
+    except Exception as err:
+        debug = bool(getattr(args, "debug", False))
+        if error_kind(err) == BAD_INPUT:
+            return fail(str(err), err, debug)
+        return internal_error(f"{type(err).__name__}: {err}", "".join(traceback.format_exception(err)), debug)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -128,13 +129,19 @@ def ok_report(**summary) -> dict:
     }
 
 
+def csv_file_of(path: Path) -> dict:
+    """What a JSON must say of the CSV at ``path``: derived from the bytes on disk."""
+    data = path.read_bytes()
+    return {"name": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def test_write_reports_writes_both_files(tmp_path, umask_022):
     paths = write_reports(ok_report(), CSV_TEXT, tmp_path, 3)
     json_path = tmp_path / "rank_3" / "rank_3_memory.json"
     csv_path = tmp_path / "rank_3" / "rank_3_memory.csv"
     assert paths == [json_path, csv_path]
     assert listing(tmp_path) == {"rank_3", "rank_3/rank_3_memory.json", "rank_3/rank_3_memory.csv"}
-    assert json.loads(json_path.read_text()) == ok_report()
+    assert json.loads(json_path.read_text()) == {**ok_report(), "csv_file": csv_file_of(csv_path)}
     assert json_path.read_text().endswith("}\n")
     assert csv_path.read_text() == CSV_TEXT
     for p in paths:
@@ -173,3 +180,157 @@ def test_error_report_unserialisable_writes_nothing(tmp_path):
     with pytest.raises(ValueError):
         write_error_report({"status": "error", "x": float("nan")}, tmp_path, 0)
     assert listing(tmp_path) == set()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pair: both files to temporaries first, renamed CSV first and JSON last; any failure keeps the old pair
+# ---------------------------------------------------------------------------------------------------------
+
+OLD_CSV = "old,csv\n1,2\n"
+
+
+def old_pair(root: Path) -> dict[Path, bytes]:
+    """An earlier run's pair for rank 0, as bytes by path."""
+    write_reports(ok_report(peak_bytes=1), OLD_CSV, root, 0)
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def files(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+PAIR = {"rank_0", "rank_0/rank_0_memory.json", "rank_0/rank_0_memory.csv"}
+
+
+def test_pair_is_renamed_csv_first_json_last(tmp_path, monkeypatch):
+    renamed = []
+    real = os.replace
+
+    def recording(src, dst, *args, **kwargs):
+        renamed.append(Path(dst).name)
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(writer.os, "replace", recording)
+    write_reports(ok_report(), CSV_TEXT, tmp_path, 0)
+    assert renamed == ["rank_0_memory.csv", "rank_0_memory.json"]
+
+
+def _fail_writes_to(monkeypatch, prefix: str, exc: BaseException) -> None:
+    """The write of any temporary whose name starts with ``prefix`` raises ``exc`` (e.g. a full disk)."""
+    real = os.fdopen
+
+    class Failing:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            self.f.close()
+
+        def write(self, text):
+            raise exc
+
+    def fdopen(fd, *args, **kwargs):
+        f = real(fd, *args, **kwargs)
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        return Failing(f) if name.startswith(prefix) else f
+
+    monkeypatch.setattr(writer.os, "fdopen", fdopen)
+
+
+@pytest.mark.parametrize("which", ["json", "csv"])
+def test_full_disk_while_writing_keeps_the_old_pair(tmp_path, monkeypatch, which):
+    before = old_pair(tmp_path)
+    _fail_writes_to(monkeypatch, f".rank_0_memory.{which}.", OSError(28, "No space left on device"))
+    with pytest.raises(OSError, match="No space left"):
+        write_reports(ok_report(), CSV_TEXT, tmp_path, 0)
+    assert files(tmp_path) == before
+    assert listing(tmp_path) == PAIR
+
+
+def test_full_disk_on_a_first_run_leaves_no_file(tmp_path, monkeypatch):
+    _fail_writes_to(monkeypatch, ".rank_0_memory.json.", OSError(28, "No space left on device"))
+    with pytest.raises(OSError):
+        write_reports(ok_report(), CSV_TEXT, tmp_path, 0)
+    assert files(tmp_path) == {}
+
+
+def test_a_directory_where_the_json_goes_keeps_the_old_csv(tmp_path):
+    before = old_pair(tmp_path)
+    json_path = tmp_path / "rank_0" / "rank_0_memory.json"
+    json_path.unlink()
+    json_path.mkdir()
+    with pytest.raises(OSError):
+        write_reports(ok_report(), CSV_TEXT, tmp_path, 0)
+    csv_path = tmp_path / "rank_0" / "rank_0_memory.csv"
+    assert csv_path.read_bytes() == before[csv_path] == OLD_CSV.encode()
+    assert listing(tmp_path) == PAIR  # the JSON name is still the directory; no temporary or backup left
+
+
+def test_a_directory_where_the_json_goes_on_a_first_run_leaves_no_csv(tmp_path):
+    (tmp_path / "rank_0" / "rank_0_memory.json").mkdir(parents=True)
+    with pytest.raises(OSError):
+        write_reports(ok_report(), CSV_TEXT, tmp_path, 0)
+    assert listing(tmp_path) == {"rank_0", "rank_0/rank_0_memory.json"}
+
+
+@pytest.mark.parametrize(
+    "exc", [OSError(5, "Input/output error"), KeyboardInterrupt()], ids=["oserror", "ctrl-c"]
+)
+def test_failed_json_rename_puts_the_old_csv_back(tmp_path, monkeypatch, exc):
+    before = old_pair(tmp_path)
+    real = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst).name == "rank_0_memory.json":
+            raise exc
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(writer.os, "replace", replace)
+    with pytest.raises(type(exc)):
+        write_reports(ok_report(), CSV_TEXT, tmp_path, 0)
+    monkeypatch.undo()
+    assert files(tmp_path) == before
+    assert listing(tmp_path) == PAIR
+
+
+def test_no_backup_link_fails_before_anything_is_replaced(tmp_path, monkeypatch):
+    before = old_pair(tmp_path)
+
+    def no_links(src, dst, *args, **kwargs):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(writer.os, "link", no_links)
+    with pytest.raises(OSError, match="not permitted"):
+        write_reports(ok_report(), CSV_TEXT, tmp_path, 0)
+    assert files(tmp_path) == before
+    assert listing(tmp_path) == PAIR
+
+
+def test_a_new_pair_replaces_the_old_one_and_leaves_no_backup(tmp_path):
+    old_pair(tmp_path)
+    write_reports(ok_report(), CSV_TEXT, tmp_path, 0)
+    assert listing(tmp_path) == PAIR
+    csv_path = tmp_path / "rank_0" / "rank_0_memory.csv"
+    assert csv_path.read_text() == CSV_TEXT
+    assert json.loads((tmp_path / "rank_0" / "rank_0_memory.json").read_text()) == {
+        **ok_report(),
+        "csv_file": csv_file_of(csv_path),
+    }
+
+
+def test_the_json_names_sizes_and_hashes_its_csv_and_the_key_comes_last(tmp_path):
+    csv_text = 'start,end\r\n"x\ny",é\n'  # CRLF, a quoted newline, a 2-byte character: bytes, not characters
+    json_path, csv_path = write_reports(ok_report(), csv_text, tmp_path, 0)
+    written = json.loads(json_path.read_text())
+    assert list(written) == [*ok_report(), "csv_file"]
+    assert written["csv_file"] == csv_file_of(csv_path)
+    assert written["csv_file"]["bytes"] == len(csv_text) + 1 == 20  # 19 characters, é is two bytes in UTF-8
+    assert written["csv_file"]["name"] == "rank_0_memory.csv"
+
+
+def test_an_error_report_carries_no_csv_file(tmp_path):
+    err = {"schema_version": 1, "status": "error", "stage": "step", "error": {"type": "X", "message": "m"}}
+    assert "csv_file" not in json.loads(write_error_report(err, tmp_path, 0).read_text())

@@ -1,18 +1,35 @@
 """One module per ``hyperdryrun`` subcommand; each exposes ``register(subparsers)``.
 
-Exit codes shared by every command: 0 success, 1 a verdict the user asked for failed (OOM, tolerance), 2 an error
-(bad input, a failed simulation, an unwritable output).
+Exit codes, the same for every command (a CI gate may read them):
+
+- 0 done (the job fits, or no capacity was asked; compare: within tolerance);
+- 1 the verdict asked for failed: OOM against ``--device-memory-gib``, compare outside ``--tolerance``, an
+  audit mismatch; nothing else;
+- 2 bad input: a flag, the job file, a value rule, an output directory that cannot be written;
+- 3 an internal error: one line (with the report path when one was written), ``--debug`` shows the traceback;
+- 130 interrupted by SIGINT (Ctrl-C), 143 stopped by SIGTERM: one line, nothing written after the signal;
+- 141 stdout was closed by its reader (``| head``), silently, as a shell reports SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from hyperdryrun.report.build import one_line
 
-EXIT_OK, EXIT_VERDICT, EXIT_ERROR = 0, 1, 2
+EXIT_OK, EXIT_VERDICT, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_SIGINT, EXIT_SIGTERM, EXIT_SIGPIPE = 128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGPIPE
+EXIT_ERROR = EXIT_BAD_INPUT
+"""The name of exit code 2 from before internal errors had their own code."""
+
+RERUN_WITH_DEBUG = "internal error: rerun with --debug for the traceback"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -20,7 +37,7 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"hyperdryrun: error: {message}\n")
-        raise SystemExit(EXIT_ERROR)
+        raise SystemExit(EXIT_BAD_INPUT)
 
 
 def fail(message: str, err: BaseException | None = None, debug: bool = False) -> int:
@@ -28,4 +45,55 @@ def fail(message: str, err: BaseException | None = None, debug: bool = False) ->
     if debug and err is not None:
         traceback.print_exception(err)
     sys.stderr.write(f"hyperdryrun: error: {one_line(message)}\n")
-    return EXIT_ERROR
+    return EXIT_BAD_INPUT
+
+
+def internal_error(message: str, tb: str | None = None, debug: bool = False) -> int:
+    """Print an internal error on one line (the traceback ``tb`` first with ``--debug``); return exit code 3."""
+    if debug and tb:
+        sys.stderr.write(tb if tb.endswith("\n") else tb + "\n")
+    hint = "" if debug else f"; {RERUN_WITH_DEBUG}"
+    sys.stderr.write(f"hyperdryrun: error: {one_line(message)}{hint}\n")
+    return EXIT_INTERNAL
+
+
+def exit_code_of(outcomes: Sequence[Any], debug: bool = False) -> int:
+    """The exit code of the ranks run (:class:`hyperdryrun.runner.RankOutcome`, one or several): a failure wins
+    over a verdict, an internal one over bad input; the first failure is printed on one line."""
+    from hyperdryrun.runner import INTERNAL
+
+    failed = [o for o in outcomes if o.error]
+    if not failed:
+        return EXIT_VERDICT if any(o.oom for o in outcomes) else EXIT_OK
+    internal = [o for o in failed if o.error_kind == INTERNAL]
+    first = (internal or failed)[0]
+    more = f" (and {len(failed) - 1} more of {len(outcomes)} ranks failed)" if len(failed) > 1 else ""
+    if debug:
+        for o in failed:
+            if o.traceback:
+                sys.stderr.write(o.traceback if o.traceback.endswith("\n") else o.traceback + "\n")
+    if internal:
+        return internal_error(first.error + more, None, debug)
+    return fail(first.error + more)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt so that the same cleanup runs (temporary files
+    removed, worker processes killed)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While inside, SIGTERM raises :class:`Terminated` (main thread only); the previous handler comes back on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

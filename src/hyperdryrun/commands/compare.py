@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
 from hyperdryrun.compare import DEFAULT_TOLERANCE, TOP_BLOCKS, Side, as_report, compare, print_comparison
 
 
@@ -17,7 +18,7 @@ def register(subparsers: Any) -> None:
         help="compare two reports, memory-block CSVs, profiler Chrome traces or CUDA snapshots (A: reference)",
         description="Peak error of B relative to A, per-category bytes at each side's peak, phase peaks, module "
         "local peaks and the largest blocks alive at one side's peak that the other lacks. Exit 0 when "
-        "|relative peak error| <= --tolerance, 1 otherwise, 2 on bad input.",
+        "|relative peak error| <= --tolerance, 1 otherwise, 2 on bad input, 3 on an internal error.",
     )
     p.add_argument(
         "a", metavar="A", help="reference: report .json, block .csv, trace .json[.gz] or snapshot .pickle"
@@ -56,21 +57,20 @@ def _side(path: str, device: str | None) -> Side:
 
 def run(args: argparse.Namespace) -> int:
     """Load both sides, compare, print; 0/1 by tolerance, 2 (one-line error) on bad input."""
-    from hyperdryrun.commands import fail as _fail
     from hyperdryrun.ingest.files import IngestError
 
     debug = getattr(args, "debug", False)
     if not math.isfinite(args.tolerance) or args.tolerance < 0:
-        return _fail(f"--tolerance {args.tolerance} must be a finite number >= 0", ValueError(), debug)
+        return fail(f"--tolerance {args.tolerance} must be a finite number >= 0", ValueError(), debug)
     if args.top < 0:
-        return _fail(f"--top {args.top} must be >= 0", ValueError(), debug)
+        return fail(f"--top {args.top} must be >= 0", ValueError(), debug)
     try:
         a, b = _side(args.a, args.device), _side(args.b, args.device)
     except IngestError as err:
-        return _fail(str(err), err, debug)
+        return fail(str(err), err, debug)
     result = compare(a, b, args.tolerance, args.top, with_kernel_scratch=args.with_kernel_scratch)
     if args.json:
         print(json.dumps(result, indent=2, allow_nan=False))
     else:
         print_comparison(result, top=args.top)
-    return 0 if result["within_tolerance"] else 1
+    return EXIT_OK if result["within_tolerance"] else EXIT_VERDICT

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
+from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail
 from hyperdryrun.commands.job import add_job_arguments, job_from_args
 from hyperdryrun.config import ConfigError
 
@@ -44,11 +44,11 @@ def _measure(cfg: Any, capture_stacks: bool = True) -> Any:
 
 
 def measure_command(args: argparse.Namespace) -> int:
-    """Exit 0 when measured (1 if over ``--device-memory-gib``), 2 on bad input or a failed run."""
+    """Exit 0 when measured (1 if over ``--device-memory-gib``), 2 on bad input, 3 if the run failed inside."""
     from rich.console import Console
 
-    from hyperdryrun.commands.run import run_rank
     from hyperdryrun.report.console import print_summary
+    from hyperdryrun.runner import run_rank
 
     try:
         cfg = job_from_args(args)
@@ -59,9 +59,9 @@ def measure_command(args: argparse.Namespace) -> int:
     why = unsupported(cfg)
     if why:
         return fail(why, None, args.debug)
-    out = run_rank(cfg, not args.no_stacks, execute=_measure, mode="measured")
+    out = run_rank(cfg, capture_stacks=not args.no_stacks, execute=_measure, mode="measured")
     if out.error:
-        return fail(out.error, None, args.debug)
+        return exit_code_of([out], args.debug)
     s = out.report["summary"]
     scratch = out.report["metadata"].get("kernel_scratch") or {}
     if args.quiet:
@@ -73,4 +73,4 @@ def measure_command(args: argparse.Namespace) -> int:
                 f"without kernel scratch (what a dry run counts): {scratch['peak_bytes_excluding']:,} B "
                 f"(measured peak {s['peak_bytes']:,} B)"
             )
-    return EXIT_VERDICT if s.get("oom") else EXIT_OK
+    return EXIT_VERDICT if out.oom else EXIT_OK

@@ -4,14 +4,11 @@ process) and write the reports."""
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from hyperdryrun.commands import EXIT_ERROR, EXIT_OK, EXIT_VERDICT, fail, one_line
+from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail
 from hyperdryrun.commands.job import add_job_arguments, job_from_args
-from hyperdryrun.config import ConfigError, JobConfig
+from hyperdryrun.config import ConfigError
 
 
 def register(subparsers: Any) -> None:
@@ -20,7 +17,7 @@ def register(subparsers: Any) -> None:
         help="dry-run one training step of the built-in Llama recipe for one rank",
         description="Dry-run one training step as rank r of N on fake tensors and write "
         "<output-dir>/rank_<r>/rank_<r>_memory.{json,csv}. Exit 0: done (fits), 1: OOM against "
-        "--device-memory-gib, 2: error.",
+        "--device-memory-gib, 2: bad input, 3: internal error, 130/143: interrupted (SIGINT/SIGTERM).",
     )
     add_job_arguments(p)
     p.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
@@ -31,64 +28,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-stacks", action="store_true", help="do not capture Python stacks (faster)")
     p.add_argument("--quiet", action="store_true", help="print only the peak line")
     p.set_defaults(func=run)
-
-
-@dataclass
-class RankOutcome:
-    """What one rank's run left: its report (or error), the files written, and a one-line error if it failed."""
-
-    rank: int
-    report: dict[str, Any] = field(default_factory=dict)
-    paths: list[str] = field(default_factory=list)
-    error: str | None = None
-
-
-def run_rank(
-    cfg: JobConfig,
-    capture_stacks: bool = True,
-    execute: Callable[..., Any] | None = None,
-    mode: str = "dry-run",
-) -> RankOutcome:
-    """Run ``cfg``'s rank with ``execute`` (default: the dry run; ``measure`` passes the real run) and write its
-    reports, or an error report if it fails."""
-    from hyperdryrun.engine import SimulationError
-    from hyperdryrun.recipe import job_metadata, run_job
-    from hyperdryrun.report import blocks_csv, build_report, error_report, write_error_report, write_reports
-
-    rank = cfg.world.rank
-    try:
-        trace = (execute or run_job)(cfg, capture_stacks=capture_stacks)
-    except SimulationError as err:
-        message = f"rank {rank}: {err.stage} failed: {type(err.error).__name__}: {err.error}"
-        try:
-            meta = {**job_metadata(cfg), "mode": mode}
-        except Exception:
-            meta = {"mode": mode}
-        report = error_report(err.stage, err.error, meta)
-        try:
-            path = write_error_report(report, cfg.output_dir, rank)
-        except OSError as werr:
-            return RankOutcome(
-                rank, report, [], f"{message} (and the error report could not be written: {werr})"
-            )
-        return RankOutcome(rank, report, [str(path)], f"{message} (report: {path})")
-    report = build_report(trace, cfg.device_memory_gib, cfg.live_set_limit)
-    try:
-        paths = write_reports(report, blocks_csv(trace), cfg.output_dir, rank)
-    except OSError as err:
-        return RankOutcome(
-            rank, report, [], f"--output-dir {cfg.output_dir!r}: cannot write the reports: {err}"
-        )
-    return RankOutcome(rank, report, [str(p) for p in paths])
-
-
-def _run_rank_in_worker(data: dict[str, Any], capture_stacks: bool) -> RankOutcome:
-    from hyperdryrun.config import build_config
-
-    try:
-        return run_rank(build_config(data), capture_stacks)
-    except Exception as err:  # the parent prints it as the rank's row
-        return RankOutcome(data["world"]["rank"], error=one_line(f"{type(err).__name__}: {err}"))
 
 
 def parse_ranks(args: argparse.Namespace, world_size: int) -> list[int] | None:
@@ -113,9 +52,12 @@ def parse_ranks(args: argparse.Namespace, world_size: int) -> list[int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Parse, run the rank(s) through :mod:`hyperdryrun.runner`, print; the exit code of
+    :mod:`hyperdryrun.commands`."""
     from rich.console import Console
 
-    from hyperdryrun.report.console import print_summary
+    from hyperdryrun.report.console import print_ranks, print_summary
+    from hyperdryrun.runner import run_rank, run_ranks
 
     try:
         cfg = job_from_args(args)
@@ -127,10 +69,19 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return fail(str(err), err, args.debug)
     if ranks is not None:
-        return _run_many(cfg, ranks, args)
+        outcomes = run_ranks(
+            cfg,
+            ranks,
+            args.jobs,
+            capture_stacks=not args.no_stacks,
+            show_progress=False if args.quiet else None,
+        )
+        rows = [(o.rank, o.report if not o.error else None, o.error) for o in outcomes]
+        print_ranks(cfg, rows, [p for o in outcomes for p in o.paths], quiet=args.quiet)
+        return exit_code_of(outcomes, args.debug)
     out = run_rank(cfg, capture_stacks=not args.no_stacks)
     if out.error:
-        return fail(out.error, None, args.debug)
+        return exit_code_of([out], args.debug)
     s = out.report["summary"]
     if args.quiet:
         Console().print(
@@ -138,28 +89,4 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print_summary(out.report, out.paths)
-    return EXIT_VERDICT if s.get("oom") else EXIT_OK
-
-
-def _run_many(cfg: JobConfig, ranks: list[int], args: argparse.Namespace) -> int:
-    """Each rank in a fresh process (a simulation owns process-global state: the process group, patches)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from hyperdryrun.report.console import print_ranks
-
-    jobs = min(args.jobs or os.cpu_count() or 1, len(ranks))
-    data = cfg.model_dump()
-    outcomes: list[RankOutcome] = []
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, max_tasks_per_child=1) as pool:
-        futures = []
-        for r in ranks:
-            d = {**data, "world": {**data["world"], "rank": r}}
-            futures.append(pool.submit(_run_rank_in_worker, d, not args.no_stacks))
-        for fut in futures:
-            outcomes.append(fut.result())
-    print_ranks(cfg, [(o.rank, o.report if not o.error else None, o.error) for o in outcomes])
-    if any(o.error for o in outcomes):
-        return EXIT_ERROR
-    return EXIT_VERDICT if any(o.report["summary"].get("oom") for o in outcomes) else EXIT_OK
+    return EXIT_VERDICT if out.oom else EXIT_OK

@@ -1,4 +1,5 @@
-"""Reports: blocks -> summary / JSON / CSV. The schema lives in :mod:`hyperdryrun.report.schema`."""
+"""Reports: blocks -> summary / JSON / CSV. The schema lives in :mod:`hyperdryrun.report.schema`; the formats a run
+writes are reporters registered by name in :mod:`hyperdryrun.report.reporters`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from hyperdryrun.report.build import blocks_csv, build_report, error_report
+from hyperdryrun.report.reporters import (
+    DEFAULT_REPORTERS,
+    REPORTERS,
+    RankReport,
+    register_reporter,
+    write_rank_reports,
+)
 from hyperdryrun.report.schema import CSV_COLUMNS, SCHEMA_VERSION
 from hyperdryrun.report.writer import rank_paths, write_error_report, write_reports
 
@@ -19,18 +27,22 @@ def save_reports(
     live_set_limit: int = 50,
 ) -> list[Path]:
     """Write ``<output_dir>/rank_<r>/rank_<r>_memory.{json,csv}`` for a trace (atomically); returns the paths."""
-    report = build_report(trace, device_memory_gib, live_set_limit)
-    return write_reports(report, blocks_csv(trace), output_dir, trace.metadata.get("rank", 0))
+    return write_rank_reports(RankReport.from_trace(trace, device_memory_gib, live_set_limit), output_dir)
 
 
 __all__ = [
     "CSV_COLUMNS",
+    "DEFAULT_REPORTERS",
+    "REPORTERS",
     "SCHEMA_VERSION",
+    "RankReport",
     "blocks_csv",
     "build_report",
     "error_report",
     "rank_paths",
+    "register_reporter",
     "save_reports",
     "write_error_report",
+    "write_rank_reports",
     "write_reports",
 ]

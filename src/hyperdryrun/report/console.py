@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rich.columns import Columns
@@ -124,11 +126,17 @@ def print_summary(
         blk.add_row(f"{b['size'] / (1 << 20):,.1f}", b["category"], b["op"], b["module"], phase, where)
     console.print(blk)
     for p in paths:
-        console.print(f"[dim]wrote {p}[/]")
+        console.print(f"[dim]wrote {p}[/]", soft_wrap=True)  # a long path stays one line
 
 
-def print_ranks(cfg: Any, rows: list[tuple[int, dict[str, Any] | None, str | None]]) -> None:
-    """One row per simulated rank (peak, phase, what it consists of, verdict) and the maximum over them."""
+def print_ranks(
+    cfg: Any,
+    rows: list[tuple[int, dict[str, Any] | None, str | None]],
+    paths: Sequence[str] = (),
+    quiet: bool = False,
+) -> None:
+    """One row per simulated rank (peak, phase, what it consists of, verdict), the maximum over them and the files
+    written; ``quiet``: the maximum alone."""
     console = Console()
     if not console.is_terminal:
         console = Console(width=110)
@@ -153,6 +161,29 @@ def print_ranks(cfg: Any, rows: list[tuple[int, dict[str, Any] | None, str | Non
         t.add_row(str(rank), _g(s["peak_bytes"]), s["peak_phase"], *[_g(b[c]) for c in cats], verdict)
         if best is None or s["peak_bytes"] > best[1]:
             best = (rank, s["peak_bytes"])
-    console.print(t)
+    if not quiet:
+        console.print(t)
     if best is not None:
         console.print(f"max peak: [bold]{_g(best[1])}[/] on rank {best[0]}")
+    if not quiet:
+        for p in paths:
+            console.print(f"[dim]wrote {p}[/]", soft_wrap=True)  # a long path stays one line
+
+
+@contextlib.contextmanager
+def rank_progress(total: int) -> Iterator[Callable[[Any, int, int], None]]:
+    """A live "ranks done/total" line on stderr while the ranks run (gone when they are done); yields the
+    ``on_rank_done(outcome, done, total)`` callback that advances it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("ranks"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task("ranks", total=total)
+        yield lambda _outcome, done, _total: progress.update(task, completed=done)

@@ -42,6 +42,12 @@ JSON_KEYS = (
 )
 ERROR_KEYS = ("schema_version", "status", "stage", "error", "metadata")
 
+CSV_FILE_KEY = "csv_file"
+"""The last key of an ok report written with its CSV: ``{"name": "rank_<r>_memory.csv", "bytes": <size>, "sha256":
+<hex digest>}`` of the CSV's bytes on disk. A reader that opens the CSV beside a JSON checks both: a mismatch means
+that CSV is not this report's (copied in, or left by another write). Absent from error reports, from reports not
+written to disk and from reports written before it existed (not in :data:`JSON_KEYS`, which a reader requires)."""
+
 GIB = 1 << 30
 MIB = 1 << 20
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import secrets
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from hyperdryrun.report.schema import CSV_FILE_KEY
 
 
 def rank_paths(output_dir: str | os.PathLike, rank: int) -> tuple[Path, Path]:
@@ -15,19 +19,85 @@ def rank_paths(output_dir: str | os.PathLike, rank: int) -> tuple[Path, Path]:
     return d / f"rank_{rank}_memory.json", d / f"rank_{rank}_memory.csv"
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to a temp file next to ``path`` and rename it over ``path``; no partial file on failure."""
+def _write_temp(path: Path, text: str) -> Path:
+    """``text`` in a new temporary file beside ``path``, with the usual file mode; nothing is left if it fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a report should have the usual mode
-        os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _unlink(tmp)
         raise
+    return Path(tmp)
+
+
+def _unlink(path: str | os.PathLike) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to a temp file next to ``path`` and rename it over ``path``; no partial file on failure."""
+    write_together([(path, text)])
+
+
+def write_together(files: list[tuple[Path, str]]) -> None:
+    """Replace several files as one: every file goes to a temporary beside its target first, and only when all are
+    complete are they renamed, in the order given (the last rename is the commit point). A failure at any step
+    leaves the previous files as they were and no temporary file."""
+    temps: list[tuple[Path, Path]] = []
+    try:
+        for path, text in files:
+            temps.append((path, _write_temp(path, text)))
+        _rename_all(temps)
+    finally:
+        for _, tmp in temps:
+            _unlink(tmp)  # those renamed are gone already
+
+
+def _rename_all(temps: list[tuple[Path, Path]]) -> None:
+    """Rename each temporary over its target; if one fails, put back what the earlier renames replaced."""
+    done: list[tuple[Path, Path | None]] = []  # (target, hard link to the file it replaced, or None)
+    try:
+        for i, (path, tmp) in enumerate(temps):
+            last = i == len(temps) - 1
+            backup = None if last else _backup(path)  # after the last rename nothing is left to fail
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                if backup is not None:
+                    _unlink(backup)
+                raise
+            done.append((path, backup))
+    except BaseException:
+        for path, backup in reversed(done):
+            with contextlib.suppress(OSError):
+                if backup is None:
+                    os.unlink(path)
+                else:
+                    os.replace(backup, path)
+        raise
+    finally:
+        for _, backup in done:
+            if backup is not None:
+                _unlink(backup)  # absent when it was put back
+
+
+def _backup(path: Path) -> Path | None:
+    """A hard link to ``path`` under a temporary name (None if there is no file), so a rename over it can be
+    undone; failing to make one fails the write before anything was replaced."""
+    if not os.path.isfile(path):
+        return None
+    for _ in range(100):
+        link = path.parent / f".{path.name}.{secrets.token_hex(4)}.bak.tmp"
+        try:
+            os.link(path, link)
+        except FileExistsError:
+            continue
+        return link
+    raise FileExistsError(f"{path}: no free name for a backup link")
 
 
 def _umask() -> int:
@@ -40,14 +110,26 @@ def to_json(report: dict[str, Any]) -> str:
     return json.dumps(report, indent=2, sort_keys=False, allow_nan=False) + "\n"
 
 
+def with_csv_file(report: dict[str, Any], csv_name: str, csv_text: str) -> dict[str, Any]:
+    """``report`` with :data:`~hyperdryrun.report.schema.CSV_FILE_KEY`: the name, byte size and sha256 of the CSV
+    ``csv_text`` as written (UTF-8), so a reader can tell whether the CSV beside the JSON is its own."""
+    data = csv_text.encode("utf-8")
+    return {
+        **report,
+        CSV_FILE_KEY: {"name": csv_name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+    }
+
+
 def write_reports(
     report: dict[str, Any], csv_text: str, output_dir: str | os.PathLike, rank: int
 ) -> list[Path]:
-    """Both files of one rank; the CSV first, so a JSON with ``status: ok`` always has its CSV beside it."""
+    """Both files of one rank, written as a pair: the CSV is renamed into place first and the JSON last, so a JSON
+    with ``status: ok`` always has its own CSV beside it (named, sized and hashed in the JSON), and a failure leaves
+    the previous pair as it was."""
     json_path, csv_path = rank_paths(output_dir, rank)
-    text = to_json(report)  # serialise before touching the disk: a bad value fails with nothing written
-    atomic_write(csv_path, csv_text)
-    atomic_write(json_path, text)
+    # serialise before touching the disk: a bad value fails with nothing written
+    text = to_json(with_csv_file(report, csv_path.name, csv_text))
+    write_together([(csv_path, csv_text), (json_path, text)])
     return [json_path, csv_path]
 
 

@@ -1,0 +1,334 @@
+"""Run a job's ranks and write their reports: one rank in this process, or several, each in a fresh worker process.
+
+The library behind ``hyperdryrun run`` and ``hyperdryrun measure`` (and the place for a layout search or a cluster
+executor to start from)::
+
+    from hyperdryrun.config import build_config
+    from hyperdryrun.runner import run_ranks
+
+    if __name__ == "__main__":  # workers are spawned: they import the main module again
+        cfg = build_config({"model": {"name": "llama-tiny"}, "world": {"world_size": 4}})
+        for outcome in run_ranks(cfg, [0, 3], jobs=2):
+            print(outcome.rank, outcome.report["summary"]["peak_bytes"], outcome.paths)
+
+A simulation owns process-global state (the process group, torch patches), so each rank of :func:`run_ranks` runs
+in its own spawned process. Workers only compute; this process writes every file as each rank finishes, so stopping
+a run (Ctrl-C, SIGTERM, an exception, a callback that raises) kills the workers at once and writes nothing after it.
+A worker also dies with this process (Linux: ``PR_SET_PDEATHSIG``; elsewhere a watchdog thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hyperdryrun.report.build import one_line
+from hyperdryrun.report.reporters import DEFAULT_REPORTERS, RankReport, reporters_named, write_rank_reports
+
+if TYPE_CHECKING:
+    from hyperdryrun.config import JobConfig
+
+BAD_INPUT = "bad input"
+"""``RankOutcome.error_kind`` of a failure the user can fix: the job, a value rule, the output directory."""
+INTERNAL = "internal"
+"""``RankOutcome.error_kind`` of any other failure: a bug here or in torch, a worker that died."""
+
+Execute = Callable[..., Any]
+"""``execute(cfg, capture_stacks=...) -> StepTrace``: how a rank's step is run (default: the dry run,
+:func:`hyperdryrun.recipe.run_job`; ``measure`` passes the real run). Module level, so a worker can import it."""
+
+OnRankDone = Callable[["RankOutcome", int, int], None]
+"""``on_rank_done(outcome, done, total)``, called in this process after each rank's reports are written."""
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@dataclass
+class RankOutcome:
+    """What one rank's run left: its report (ok or error), the files written, and a one-line error if it failed."""
+
+    rank: int
+    report: dict[str, Any] = field(default_factory=dict)
+    paths: list[str] = field(default_factory=list)
+    error: str | None = None
+    error_kind: str | None = None
+    """:data:`BAD_INPUT` or :data:`INTERNAL` when ``error`` is set."""
+    traceback: str | None = None
+    """The failure's traceback, formatted where it happened (a worker's too)."""
+    trace: Any = None
+    """The StepTrace, for a rank run in this process (None from a worker)."""
+
+    @property
+    def oom(self) -> bool:
+        """Whether the rank's peak is over ``device_memory_gib`` (False when it failed or no capacity was given)."""
+        return self.error is None and bool(self.report.get("summary", {}).get("oom"))
+
+
+@dataclass
+class _Computed:
+    """A rank's result before anything is written: what a worker sends back."""
+
+    rank: int
+    result: RankReport | None  # None: nothing to write
+    error: str | None = None
+    kind: str | None = None
+    traceback: str | None = None
+
+
+def error_kind(err: BaseException) -> str:
+    """:data:`BAD_INPUT` for what the user can fix (the job description, a value rule the step needs, a job this
+    machine cannot measure), else :data:`INTERNAL`."""
+    from hyperdryrun.config import ConfigError
+    from hyperdryrun.engine import SimulationError
+    from hyperdryrun.measure.step import MeasureError
+    from hyperdryrun.world.values import ValueRuleError
+
+    cause = err.error if isinstance(err, SimulationError) else err
+    return BAD_INPUT if isinstance(cause, ConfigError | MeasureError | ValueRuleError) else INTERNAL
+
+
+def _formatted(err: BaseException) -> str:
+    return "".join(traceback.format_exception(err))
+
+
+def _simulate(cfg: JobConfig, capture_stacks: bool, execute: Execute | None, mode: str) -> _Computed:
+    """Run the rank's step and build its report (or its error report); writes nothing."""
+    from hyperdryrun.engine import SimulationError
+    from hyperdryrun.recipe import job_metadata, run_job
+    from hyperdryrun.report.build import blocks_csv, build_report, error_report
+
+    rank = cfg.world.rank
+    try:
+        trace = (execute or run_job)(cfg, capture_stacks=capture_stacks)
+    except SimulationError as err:
+        message = f"rank {rank}: {err.stage} failed: {type(err.error).__name__}: {err.error}"
+        try:
+            meta = {**job_metadata(cfg), "mode": mode}
+        except Exception:
+            meta = {"mode": mode}
+        report = error_report(err.stage, err.error, meta)
+        return _Computed(rank, RankReport(rank, report), message, error_kind(err), _formatted(err))
+    report = build_report(trace, cfg.device_memory_gib, cfg.live_set_limit)
+    return _Computed(rank, RankReport(rank, report, blocks_csv(trace), trace))
+
+
+def _write(done: _Computed, output_dir: str, reporters: Sequence[str]) -> RankOutcome:
+    """Write a computed rank with ``reporters``; an unwritable output directory is the user's to fix."""
+    rank, error, kind, tb = done.rank, done.error, done.kind, done.traceback
+    if done.result is None:
+        return RankOutcome(rank, error=error, error_kind=kind, traceback=tb)
+    trace = done.result.trace
+    try:
+        paths = [str(p) for p in write_rank_reports(done.result, output_dir, reporters)]
+    except OSError as err:
+        report = done.result.report
+        if error is not None:
+            error = f"{error} (and the error report could not be written: {err})"
+            return RankOutcome(rank, report, [], error, kind, tb, trace)
+        error = f"--output-dir {output_dir!r}: cannot write the reports: {err}"
+        return RankOutcome(rank, report, [], error, BAD_INPUT, _formatted(err), trace)
+    if error is not None and paths:
+        error = f"{error} (report: {paths[0]})"
+    return RankOutcome(rank, done.result.report, paths, error, kind, tb, trace)  # the report as written
+
+
+def run_rank(
+    cfg: JobConfig,
+    *,
+    capture_stacks: bool = True,
+    execute: Execute | None = None,
+    mode: str = "dry-run",
+    reporters: Sequence[str] = DEFAULT_REPORTERS,
+) -> RankOutcome:
+    """Run ``cfg``'s rank in this process and write its reports with ``reporters`` (an error report if the step
+    fails). ``mode`` is the error report's ``metadata.mode``. Errors outside the step propagate."""
+    reporters_named(reporters)  # an unknown name fails before the run
+    return _write(_simulate(cfg, capture_stacks, execute, mode), cfg.output_dir, reporters)
+
+
+def run_ranks(
+    cfg: JobConfig,
+    ranks: Sequence[int],
+    jobs: int | None = None,
+    *,
+    capture_stacks: bool = True,
+    execute: Execute | None = None,
+    mode: str = "dry-run",
+    reporters: Sequence[str] = DEFAULT_REPORTERS,
+    on_rank_done: OnRankDone | None = None,
+    show_progress: bool | None = None,
+) -> list[RankOutcome]:
+    """Run each of ``ranks`` of ``cfg``'s job in a fresh worker process, up to ``jobs`` at a time (default: the
+    cores), and write each rank's reports here as it finishes; outcomes in the order of ``ranks``.
+
+    ``on_rank_done`` is called after each rank; without it, ranks done/total are drawn on stderr when stderr is a
+    terminal (``show_progress`` True/False forces it on/off)."""
+    reporters_named(reporters)
+    ranks = list(ranks)
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"jobs: must be >= 1 (got {jobs})")
+    for i, r in enumerate(ranks):
+        if not 0 <= r < cfg.world.world_size:
+            raise ValueError(f"ranks: rank {r} must satisfy 0 <= rank < world_size={cfg.world.world_size}")
+        if r in ranks[:i]:
+            raise ValueError(f"ranks: rank {r} is given twice (in {ranks})")
+    if not ranks:
+        return []
+    jobs = min(jobs or os.cpu_count() or 1, len(ranks))
+    work = (capture_stacks, execute, mode)
+    if on_rank_done is None and (sys.stderr.isatty() if show_progress is None else show_progress):
+        from hyperdryrun.report.console import rank_progress
+
+        with rank_progress(len(ranks)) as progress:
+            return _in_workers(cfg, ranks, jobs, work, reporters, progress)
+    return _in_workers(cfg, ranks, jobs, work, reporters, on_rank_done)
+
+
+def _in_workers(
+    cfg: JobConfig,
+    ranks: list[int],
+    jobs: int,
+    work: tuple[bool, Execute | None, str],
+    reporters: Sequence[str],
+    on_rank_done: OnRankDone | None,
+) -> list[RankOutcome]:
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    ctx = multiprocessing.get_context("spawn")
+    data = cfg.model_dump()
+    waiting = list(ranks)
+    running: dict[Any, tuple[int, Any]] = {}  # the pipe a worker answers on -> (rank, process)
+    outcomes: dict[int, RankOutcome] = {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                rank = waiting.pop(0)
+                _start_worker(ctx, running, rank, ({**data, "world": {**data["world"], "rank": rank}}, *work))
+            for conn in wait(list(running)):
+                rank, proc = running[conn]
+                done = _receive(conn, proc, rank)
+                del running[conn]
+                outcomes[rank] = _write(done, cfg.output_dir, reporters)
+                if on_rank_done is not None:
+                    on_rank_done(outcomes[rank], len(outcomes), len(ranks))
+    except BaseException:
+        _kill(running)
+        raise
+    return [outcomes[r] for r in ranks]
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM while a worker starts: the child inherits the mask, so a Ctrl-C cannot hit it before it
+    ignores SIGINT, and here the signal arrives (not lost) once the worker is registered to be killed."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _start_worker(ctx: Any, running: dict[Any, tuple[int, Any]], rank: int, args: tuple) -> None:
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_worker, args=(send, os.getpid(), *args), name=f"hyperdryrun-rank-{rank}", daemon=True
+    )
+    try:
+        with _stop_signals_blocked():
+            proc.start()
+            running[receive] = (rank, proc)
+    except BaseException:
+        receive.close()
+        raise
+    finally:
+        send.close()  # the worker holds the only write end: its death reads as end of file here
+
+
+def _receive(conn: Any, proc: Any, rank: int) -> _Computed:
+    try:
+        done = conn.recv()
+    except (EOFError, OSError):
+        proc.join()
+        how = f"exit code {proc.exitcode}"
+        if proc.exitcode is not None and proc.exitcode < 0:
+            how = f"killed by {signal.Signals(-proc.exitcode).name}"
+        done = _Computed(rank, None, f"rank {rank}: the worker process died ({how})", INTERNAL)
+    conn.close()
+    proc.join()
+    return done
+
+
+def _kill(running: dict[Any, tuple[int, Any]]) -> None:
+    """SIGKILL every running worker, then reap them: they write nothing, so nothing is left half-written."""
+    for _, proc in running.values():
+        with contextlib.suppress(Exception):
+            proc.kill()
+    for conn, (_, proc) in running.items():
+        proc.join()
+        conn.close()
+    running.clear()
+
+
+def _worker(
+    conn: Any, parent_pid: int, data: dict[str, Any], capture_stacks: bool, execute: Execute | None, mode: str
+) -> None:
+    """A worker process: run one rank and send its report back (never writes a file)."""
+    _bind_to_parent(parent_pid)
+    rank = data["world"]["rank"]
+    try:
+        from hyperdryrun.config import build_config
+
+        done = _simulate(build_config(data), capture_stacks, execute, mode)
+        if done.result is not None:
+            done.result.trace = None  # the parent writes from the report and the CSV
+    except Exception as err:
+        done = _Computed(rank, None, one_line(f"rank {rank}: {type(err).__name__}: {err}"), error_kind(err))
+        done.traceback = _formatted(err)
+    conn.send(done)
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: the parent is waiting to reap this process
+
+
+def _bind_to_parent(parent_pid: int) -> None:
+    """Ignore Ctrl-C (the parent stops the run) and die with the parent, then let the held signals in."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not _die_with_parent():
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    if os.getppid() != parent_pid:  # it died before the line above took effect
+        os._exit(1)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
+def _die_with_parent() -> bool:
+    """Linux: the kernel sends this process SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)

@@ -1,0 +1,168 @@
+"""The library runner: one rank here or many in workers, reports written by this process as each rank finishes.
+
+Most cases use an executor that returns an ingested profiler trace (tests/ingest/fixtures), so a worker costs its
+start-up only; one case runs the real dry run in workers and in this process and compares the files byte by byte.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from hyperdryrun.config import build_config
+from hyperdryrun.engine import SimulationError
+from hyperdryrun.runner import BAD_INPUT, INTERNAL, run_rank, run_ranks
+from hyperdryrun.world.values import ValueRuleError
+
+FIXTURE = Path(__file__).parent / "ingest" / "fixtures" / "tiny_step.trace.json.gz"
+
+
+def job(tmp_path: Path, world_size: int = 2, **training) -> object:
+    return build_config(
+        {
+            "model": {"name": "llama-tiny"},
+            "world": {"world_size": world_size},
+            "training": {"seq_len": 32, **training},
+            "output_dir": str(tmp_path / "out"),
+        }
+    )
+
+
+# Executors: module level, so a spawned worker imports them by name.
+
+
+def fixture_trace(cfg, capture_stacks=True):
+    """A real (ingested) trace, labelled with the rank asked for."""
+    from hyperdryrun.report.reader import load_any
+
+    trace = load_any(FIXTURE)
+    trace.metadata = {**trace.metadata, "rank": cfg.world.rank}
+    return trace
+
+
+def slow_on_rank_1(cfg, capture_stacks=True):
+    if cfg.world.rank == 1:
+        time.sleep(120)
+    return fixture_trace(cfg)
+
+
+def plain_bug(cfg, capture_stacks=True):
+    raise RuntimeError("a bug in the step")
+
+
+def missing_value_rule(cfg, capture_stacks=True):
+    raise SimulationError("step", ValueRuleError("aten.nonzero in module 'pick': add a rule"))
+
+
+def dies(cfg, capture_stacks=True):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def pair(rank: int) -> set[str]:
+    return {f"rank_{rank}/rank_{rank}_memory.json", f"rank_{rank}/rank_{rank}_memory.csv"}
+
+
+def test_workers_write_the_same_bytes_as_this_process(tmp_path):
+    # without stacks: in this process a block's stack also holds the caller's frames (this test), in a worker not
+    cfg = job(tmp_path)
+    calls = []
+
+    def record(outcome, done, total):
+        calls.append((outcome.rank, done, total))
+
+    outcomes = run_ranks(cfg, [1, 0], jobs=2, capture_stacks=False, on_rank_done=record)
+    assert [o.rank for o in outcomes] == [1, 0]
+    assert sorted(c[1:] for c in calls) == [(1, 2), (2, 2)] and {c[0] for c in calls} == {0, 1}
+    for o in outcomes:
+        assert o.error is None and o.trace is None and o.report["metadata"]["rank"] == o.rank
+        d = tmp_path / "out" / f"rank_{o.rank}"
+        assert o.paths == [str(d / f"rank_{o.rank}_memory.json"), str(d / f"rank_{o.rank}_memory.csv")]
+    many = files(tmp_path / "out")
+    assert set(many) == pair(0) | pair(1)
+    for rank in (0, 1):
+        one = run_rank(
+            build_config({**cfg.model_dump(), "world": {"world_size": 2, "rank": rank}}), capture_stacks=False
+        )
+        assert one.trace is not None and one.report == outcomes[[1, 0].index(rank)].report
+        for p in pair(rank):
+            assert (tmp_path / "out" / p).read_bytes() == many[p]
+        assert one.report == json.loads(many[f"rank_{rank}/rank_{rank}_memory.json"])  # the report as written
+
+
+def test_reporters_none_writes_nothing_and_still_returns_the_reports(tmp_path):
+    cfg = job(tmp_path)
+    (inline,) = [run_rank(cfg, execute=fixture_trace, reporters=())]
+    (worker,) = run_ranks(cfg, [1], execute=fixture_trace, reporters=())
+    assert inline.paths == worker.paths == []
+    assert inline.report["summary"]["peak_bytes"] == worker.report["summary"]["peak_bytes"] > 0
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bug_in_a_worker_is_an_internal_error_with_its_traceback_and_no_file(tmp_path):
+    (o,) = run_ranks(job(tmp_path), [1], execute=plain_bug)
+    assert o.error == "rank 1: RuntimeError: a bug in the step" and o.error_kind == INTERNAL
+    assert "in plain_bug" in o.traceback and o.report == {} and o.paths == []
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_value_rule_is_bad_input_with_an_error_report(tmp_path):
+    (o,) = run_ranks(job(tmp_path), [0], execute=missing_value_rule)
+    path = tmp_path / "out" / "rank_0" / "rank_0_memory.json"
+    assert o.error_kind == BAD_INPUT
+    assert (
+        o.error
+        == f"rank 0: step failed: ValueRuleError: aten.nonzero in module 'pick': add a rule (report: {path})"
+    )
+    assert o.report["status"] == "error" and o.paths == [str(path)]
+    assert set(files(tmp_path / "out")) == {"rank_0/rank_0_memory.json"}
+
+
+def test_a_worker_that_dies_is_an_internal_error(tmp_path):
+    (o,) = run_ranks(job(tmp_path), [0], execute=dies)
+    assert o.error == "rank 0: the worker process died (killed by SIGKILL)" and o.error_kind == INTERNAL
+
+
+def test_a_callback_that_raises_stops_every_worker_and_nothing_more_is_written(tmp_path):
+    def stop(outcome, done, total):
+        raise KeyboardInterrupt
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_ranks(job(tmp_path), [0, 1], jobs=2, execute=slow_on_rank_1, on_rank_done=stop)
+    assert time.monotonic() - started < 60  # rank 1 sleeps 120 s: it was killed, not waited for
+    assert multiprocessing.active_children() == []
+    assert set(files(tmp_path / "out")) == pair(0)  # written before the callback ran; rank 1 never
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ranks": [0, 2]}, "ranks: rank 2 must satisfy 0 <= rank < world_size=2"),
+        ({"ranks": [1, 1]}, "ranks: rank 1 is given twice (in [1, 1])"),
+        ({"ranks": [0], "jobs": 0}, "jobs: must be >= 1 (got 0)"),
+        (
+            {"ranks": [0], "reporters": ["json", "pdf"]},
+            "reporters: unknown reporter 'pdf' (known: csv, json)",
+        ),
+    ],
+)
+def test_bad_arguments_are_one_line_errors_before_any_worker_starts(tmp_path, kwargs, message):
+    with pytest.raises(ValueError) as info:
+        run_ranks(job(tmp_path), **kwargs)
+    assert str(info.value) == message
+    assert multiprocessing.active_children() == [] and not (tmp_path / "out").exists()
+
+
+def test_progress_is_silent_when_stderr_is_not_a_terminal(tmp_path, capfd):
+    run_ranks(job(tmp_path), [0], execute=fixture_trace)
+    assert capfd.readouterr().err == ""
