@@ -91,9 +91,9 @@ def test_a_failure_inside_the_simulation_is_internal_and_names_its_report(tmp_pa
     out = tmp_path / "out"
     patch = """
 import hyperdryrun.recipe as recipe
-def boom(model, mesh, cfg):
+def boom(model, mesh):
     raise RuntimeError("boom")
-recipe.parallelize_llama = boom
+recipe.parallelize = lambda cfg: boom
 """
     proc = hyperdryrun(["run", *TINY, "--output-dir", str(out)], tmp_path, patch)
     report = out / "rank_0" / "rank_0_memory.json"
