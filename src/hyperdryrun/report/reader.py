@@ -26,7 +26,7 @@ from hyperdryrun.ingest.files import (
 )
 from hyperdryrun.ingest.snapshot import trace_from_snapshot
 from hyperdryrun.report.build import block_record
-from hyperdryrun.report.schema import CSV_COLUMNS, JSON_KEYS
+from hyperdryrun.report.schema import CSV_COLUMNS, CSV_FILE_KEY, JSON_KEYS
 from hyperdryrun.trace.blocks import PERSISTENT_END, Block, Category, Phase, live_bytes_by_task
 from hyperdryrun.trace.step import StepTrace
 
@@ -56,7 +56,7 @@ def load_report(path: Path, data: dict[str, Any]) -> dict[str, Any]:
     csv_path = path.with_suffix(".csv")
     if not csv_path.exists():
         return data
-    trace = load_csv(csv_path)
+    trace = load_csv(csv_path, _own_csv_text(csv_path, data.get(CSV_FILE_KEY)))
     peak_task = summary.get("peak_task", -1)
     at_peak = [b for b in trace.blocks if b.start <= peak_task < b.end] if peak_task >= 0 else []
     total = sum(b.size for b in at_peak)
@@ -76,6 +76,29 @@ def load_report(path: Path, data: dict[str, Any]) -> dict[str, Any]:
         "blocks": [block_record(trace, b) for b in ranked],
     }
     return out
+
+
+def _own_csv_text(csv_path: Path, expected: Any) -> str | None:
+    """The CSV's text when the report names its CSV (size and sha256, written with it as a pair) and this is it;
+    an error when the file beside the JSON is another one (e.g. a newer CSV beside an older JSON)."""
+    if expected is None:  # a report written before the pair carried the CSV's hash
+        return None
+    import hashlib
+
+    if not isinstance(expected, dict) or not isinstance(expected.get("sha256"), str):
+        raise IngestError(csv_path.with_suffix(".json"), f"{CSV_FILE_KEY} must name the CSV's bytes and sha256")
+    raw = read_bytes(csv_path)
+    digest = hashlib.sha256(raw).hexdigest()
+    if len(raw) != expected.get("bytes") or digest != expected["sha256"]:
+        raise IngestError(
+            csv_path,
+            f"is not the CSV its report was written with ({len(raw)} B, sha256 {digest[:12]}; the report names "
+            f"{expected.get('bytes')} B, sha256 {expected['sha256'][:12]})",
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise IngestError(csv_path, "not UTF-8 text (not a memory-block CSV)") from None
 
 
 def load_csv(path: Path, text: str | None = None) -> StepTrace:
