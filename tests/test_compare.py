@@ -238,6 +238,12 @@ def test_csv_that_disagrees_with_its_json_is_refused(report_dir, tmp_path, capsy
     shutil.copytree(report_dir, dst)
     modified_csv(report_dir / "rank_0_memory.csv", dst / "rank_0_memory.csv", 512)
     rc, _, err = cli([str(dst / "rank_0_memory.json"), str(report_dir / "rank_0_memory.json")], capsys)
+    assert rc == 2 and "is not the CSV its report was written with" in err and err.count("\n") == 1
+    # a report from before the pair named its CSV: the blocks alive at the peak must still sum to the peak
+    report = json.loads((dst / "rank_0_memory.json").read_text())
+    del report["csv_file"]
+    (dst / "rank_0_memory.json").write_text(json.dumps(report))
+    rc, _, err = cli([str(dst / "rank_0_memory.json"), str(report_dir / "rank_0_memory.json")], capsys)
     assert rc == 2 and "the report's peak is" in err and err.count("\n") == 1
 
 

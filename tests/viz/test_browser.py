@@ -48,9 +48,16 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def artifacts(request: pytest.FixtureRequest) -> Path:
+def artifacts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where screenshots are kept: $HYPERDRYRUN_ARTIFACTS, else pytest's cache (a temporary folder without it)."""
     env = os.environ.get("HYPERDRYRUN_ARTIFACTS")
-    out = Path(env) if env else request.config.cache.mkdir("hyperdryrun-viz")
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    if env:
+        out = Path(env)
+    elif cache is not None:
+        out = cache.mkdir("hyperdryrun-viz")
+    else:
+        out = tmp_path_factory.mktemp("hyperdryrun-viz")
     out.mkdir(parents=True, exist_ok=True)
     return out
 
