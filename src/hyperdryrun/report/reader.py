@@ -86,7 +86,9 @@ def _own_csv_text(csv_path: Path, expected: Any) -> str | None:
     import hashlib
 
     if not isinstance(expected, dict) or not isinstance(expected.get("sha256"), str):
-        raise IngestError(csv_path.with_suffix(".json"), f"{CSV_FILE_KEY} must name the CSV's bytes and sha256")
+        raise IngestError(
+            csv_path.with_suffix(".json"), f"{CSV_FILE_KEY} must name the CSV's bytes and sha256"
+        )
     raw = read_bytes(csv_path)
     digest = hashlib.sha256(raw).hexdigest()
     if len(raw) != expected.get("bytes") or digest != expected["sha256"]:
