@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hyperdryrun.trace.blocks import Block, Category, Phase
+from hyperdryrun.trace.optimizer_state import no_state_limitation, state_tensors, warm_up
 from hyperdryrun.trace.stacks import StackTable
 from hyperdryrun.trace.tracker import MemoryTracker, ModuleStats, resident_tensors
 from hyperdryrun.world import SimulatedWorld
@@ -135,11 +136,7 @@ def _finish_fsdp_lazy_init(model: nn.Module) -> None:
 def _materialize_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Steady state: real training reaches step 2 with optimizer states allocated. One optimizer step on zero
     gradients, before tracking, creates them lazily as torch would; the gradients are then dropped."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    warm_up(optimizer)
 
 
 def simulate(
@@ -198,7 +195,7 @@ def simulate(
                     "optimizer": type(optimizer).__name__,
                     **(metadata or {}),
                 }
-                trace.limitations = world.limitations
+                trace.limitations = world.limitations + no_state_limitation(optimizer, model)
                 trace.timings = timings
                 del model, optimizer
     except SimulationError:
@@ -266,6 +263,8 @@ def traced_step(
     for p in model.parameters():
         if p.grad is not None:
             tracker.mark(p.grad, Category.GRADIENT)
+    for _, v in state_tensors(optimizer, model):
+        tracker.mark(v, Category.OPTSTATE)
     return tracker, initial
 
 

@@ -34,6 +34,7 @@ from hyperdryrun.trace.blocks import (
     round_size,
     stronger,
 )
+from hyperdryrun.trace.optimizer_state import state_tensors
 from hyperdryrun.trace.stacks import StackTable
 
 _aten = torch.ops.aten
@@ -94,21 +95,6 @@ def unique_storage_bytes(obj: Any, alignment: int) -> int:
     return total
 
 
-def optimizer_state_tensors(opt: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(param, state tensor)`` for the optimizer's device state.
-
-    torch 2.13 Adam/AdamW/SGD keep ``state["step"]`` as a host (CPU) scalar unless the group is ``fused`` or
-    ``capturable``; on a CUDA target it takes no device memory, so it is left out (on a CPU simulation device it
-    would otherwise be indistinguishable from device state).
-    """
-    for group in opt.param_groups:
-        host_step = not (group.get("fused") or group.get("capturable"))
-        for p in group["params"]:
-            for key, v in opt.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and not (key == "step" and host_step and v.dim() == 0):
-                    yield p, v
-
-
 def resident_tensors(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> Iterator[tuple[torch.Tensor, Category, str]]:
@@ -127,7 +113,7 @@ def resident_tensors(
                 yield local_tensor(p.grad), Category.GRADIENT, fqn
         for b in mod.buffers(recurse=False):
             yield b, Category.BUFFER, fqn
-    for p, v in optimizer_state_tensors(optimizer):
+    for p, v in state_tensors(optimizer, model):
         yield local_tensor(v), Category.OPTSTATE, owners.get(id(p), "")
 
 
@@ -560,8 +546,8 @@ class MemoryTracker:
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
 
     def mark_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
-        """Mark the optimizer's device state tensors (see :func:`optimizer_state_tensors`)."""
-        for _, v in optimizer_state_tensors(opt):
+        """Mark the optimizer's device state tensors (see :func:`~hyperdryrun.trace.optimizer_state.state_tensors`)."""
+        for _, v in state_tensors(opt):
             self.mark(v, Category.OPTSTATE)
 
     # ----------------------------------------------------------------- results
