@@ -35,10 +35,12 @@ TORCH_INTERNAL_REGIONS = {
 
 
 def region_name(fn: Any) -> str:
-    """``module.qualname`` of a compiled callable (a module's class for ``nn.Module.compile``)."""
+    """``module.qualname`` of a compiled function; ``<Class> module`` for a compiled module (``nn.Module.compile``
+    compiles its bound ``_call_impl``, ``torch.compile(module)`` its ``forward``)."""
+    owner = getattr(fn, "__self__", fn)
+    if isinstance(owner, torch.nn.Module):
+        return f"{type(owner).__name__} module"
     target = getattr(fn, "__func__", fn)
-    if isinstance(target, torch.nn.Module):
-        target = type(target)
     module = getattr(target, "__module__", None) or "?"
     return f"{module}.{getattr(target, '__qualname__', type(target).__name__)}"
 
@@ -146,9 +148,19 @@ class CompiledCode:
         return out
 
 
+def _passes_through(hop: Any) -> Callable[..., Any]:
+    def rule(mode: Any, *args: Any, **kwargs: Any) -> Any:
+        return hop(
+            *args, **kwargs
+        )  # HigherOrderOperator.dispatch has popped ``mode``: the modes below run it
+
+    return rule
+
+
 @contextlib.contextmanager
 def _hop_rules(mode_class: type):
-    """Give ``mode_class`` every higher-order operator's ``FakeTensorMode`` rule, removed again on exit.
+    """Give ``mode_class`` every higher-order operator's ``FakeTensorMode`` rule, and let HOPs pass through the
+    value-rule mode (:class:`~hyperdryrun.world.values.ValueRuleMode`) to it; all removed again on exit.
 
     torch 2.13 ``HigherOrderOperator.dispatch`` looks up ``python_key_table[type(mode)]`` for the active mode: a
     FakeTensorMode subclass has no rule ("There was no rule registered for HigherOrderOperator flex_attention and
@@ -157,17 +169,21 @@ def _hop_rules(mode_class: type):
     from torch._ops import _higher_order_ops
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    added = []
+    from hyperdryrun.world.values import ValueRuleMode
+
+    added: list[tuple[Any, type]] = []
     try:
-        if mode_class is not FakeTensorMode:
-            for hop in list(_higher_order_ops.values()):
-                rule = hop.python_key_table.get(FakeTensorMode)
-                if rule is not None and mode_class not in hop.python_key_table:
-                    hop.python_key_table[mode_class] = rule
-                    hop._dispatch_cache.clear()
-                    added.append(hop)
+        for hop in list(_higher_order_ops.values()):
+            rule = hop.python_key_table.get(FakeTensorMode)
+            if rule is None:
+                continue
+            for cls, new in ((mode_class, rule), (ValueRuleMode, _passes_through(hop))):
+                if cls is not FakeTensorMode and cls not in hop.python_key_table:
+                    hop.python_key_table[cls] = new
+                    added.append((hop, cls))
+            hop._dispatch_cache.clear()
         yield
     finally:
-        for hop in added:
-            hop.python_key_table.pop(mode_class, None)
+        for hop, cls in added:
+            hop.python_key_table.pop(cls, None)
             hop._dispatch_cache.clear()
