@@ -11,9 +11,10 @@ from hyperdryrun.commands import audit_kernels as audit_kernels_command
 from hyperdryrun.commands import compare as compare_command
 from hyperdryrun.commands import measure as measure_command
 from hyperdryrun.commands import run as run_command
+from hyperdryrun.commands import torchtitan as torchtitan_command
 from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, config_from_args  # noqa: F401  (public re-exports)
 
-COMMANDS = [run_command, measure_command, compare_command, audit_kernels_command]
+COMMANDS = [run_command, measure_command, compare_command, audit_kernels_command, torchtitan_command]
 """Each module registers one subcommand (memray's layout: one small module per command)."""
 
 
