@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import logging
 import math
 import sys
@@ -61,16 +62,30 @@ def load_config(argv: Sequence[str]) -> Any:
 
     level = titan_logger.level  # torchtitan logs to the root logger; its warnings speak of a real run
     titan_logger.setLevel(logging.ERROR)
+    printed = io.StringIO()
     try:
-        return ConfigManager().parse_args(list(argv))
-    except SystemExit as err:  # tyro printed why above
-        raise TorchtitanError(
-            f"torchtitan rejected the arguments {' '.join(argv)!r} (exit {err.code})"
-        ) from None
+        with contextlib.redirect_stderr(printed):
+            return ConfigManager().parse_args(list(argv))
+    except SystemExit as err:  # tyro printed why, in a box
+        if err.code == 0:  # torchtitan's --help, printed
+            raise
+        why = _tyro_message(printed.getvalue()) or f"exit {err.code}"
+        raise TorchtitanError(f"torchtitan rejected the arguments {' '.join(argv)!r}: {why}") from None
     except (ValueError, ImportError, AttributeError) as err:
         raise TorchtitanError(f"--module/--config: {err}") from None
     finally:
         titan_logger.setLevel(level)
+
+
+def _tyro_message(text: str) -> str:
+    """The message inside tyro's error box (up to its first rule), as one line."""
+    lines = []
+    for raw in text.splitlines()[1:]:
+        line = raw.strip().strip("│").strip()
+        if line.startswith(("─", "╰")):
+            break
+        lines.append(line)
+    return " ".join(" ".join(lines).split())
 
 
 def _spmd_types_fsdp_supported() -> bool:
