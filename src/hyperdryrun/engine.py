@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hyperdryrun.trace.blocks import Block, Category, Phase
-from hyperdryrun.trace.optimizer_state import no_state_limitation, state_tensors, warm_up
+from hyperdryrun.trace.optimizer_state import describe, no_state_limitation, state_tensors, warm_up
 from hyperdryrun.trace.stacks import StackTable
 from hyperdryrun.trace.tracker import MemoryTracker, ModuleStats, resident_tensors
 from hyperdryrun.world import SimulatedWorld
@@ -192,7 +192,7 @@ def simulate(
                     "mesh_shape": list(world.mesh_shape),
                     "mesh_dim_names": list(world.mesh_dim_names),
                     "num_micro_batches": num_micro_batches,
-                    "optimizer": type(optimizer).__name__,
+                    "optimizer": describe(optimizer),
                     **(metadata or {}),
                 }
                 trace.limitations = world.limitations + no_state_limitation(optimizer, model)

@@ -135,6 +135,44 @@ def test_bad_input_is_one_line_naming_the_field(argv, message):
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("batch, mask", [(1, "documents"), (2, "documents"), (2, "sliding_window")])
+def test_torchtitans_own_masks_give_only_the_block_mask_tensors(batch, mask):
+    import torch
+    from torch import nn
+    from torch.nn.attention.flex_attention import and_masks
+    from torchtitan.models.common import attention
+
+    seq_len = 1024
+    blocks = seq_len // 128  # torchtitan's default FlexAttention block size
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Linear(8, 8)
+
+        def forward(self, positions: torch.Tensor) -> torch.Tensor:
+            if mask == "documents":  # torchtitan's Decoder._create_flex_attention_mask_for_document
+                mods = [
+                    attention.get_causal_mask_mod(),
+                    attention.get_efficient_causal_mask_mod_for_packed_document(positions),
+                ]
+            else:
+                mods = [attention.get_sliding_window_mask_mod(256)]
+            attention.create_attention_mask(and_masks(*mods), batch, None, seq_len, seq_len, device=positions.device)
+            return self.w(torch.ones(1, 8, device=positions.device)).sum()
+
+    trace = hyperdryrun.simulate(
+        Masked,
+        lambda i, device: torch.arange(seq_len, device=device).remainder(300).repeat(batch, 1),
+        loss_fn=lambda model, positions: model(positions),
+        capture_stacks=False,
+    )
+    made = sorted(b.requested for b in trace.blocks if b.op == "create_block_mask")
+    int32 = 4
+    assert made == sorted([batch * blocks * int32, batch * blocks * blocks * int32] * 4)
+    assert max(b.requested for b in trace.blocks) < batch * seq_len * seq_len  # no dense mask
+
+
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "hyperdryrun.cli", "torchtitan", *args],
