@@ -158,7 +158,9 @@ def test_torchtitans_own_masks_give_only_the_block_mask_tensors(batch, mask):
                 ]
             else:
                 mods = [attention.get_sliding_window_mask_mod(256)]
-            attention.create_attention_mask(and_masks(*mods), batch, None, seq_len, seq_len, device=positions.device)
+            attention.create_attention_mask(
+                and_masks(*mods), batch, None, seq_len, seq_len, device=positions.device
+            )
             return self.w(torch.ones(1, 8, device=positions.device)).sum()
 
     trace = hyperdryrun.simulate(
