@@ -329,6 +329,9 @@ class TorchtitanJob:
         attention = model_config.first_attention
         inner = type(getattr(attention, "inner_attention", None)).__qualname__.removesuffix(".Config")
         ac = config.activation_checkpoint
+        ac_mode = "none" if ac is None else type(ac).__qualname__.removesuffix(".Config")
+        from hyperdryrun import __version__ as hyperdryrun_version
+
         self.metadata.update(
             {
                 "model": f"torchtitan {spec.name} {spec.flavor}",
@@ -364,8 +367,22 @@ class TorchtitanJob:
                     "compile": config.compile.enable,
                     "cuda_graphs": not t.disable_cuda_graphs,
                 },
-                "batch": {"micro_batch_size": t.local_batch_size, "seq_len": t.seq_len},
+                "mode": "dry-run",
+                "hyperdryrun_version": hyperdryrun_version,
+                "torch_version": torch.__version__,
+                "dtype": t.dtype,
+                "mixed_precision": {
+                    "param_dtype": t.mixed_precision_param,
+                    "reduce_dtype": t.mixed_precision_reduce,
+                },
+                "batch_shapes": {
+                    name: [t.local_batch_size, t.seq_len] for name in ("tokens", "positions", "labels")
+                },
                 "tokens_per_micro_batch": t.local_batch_size * t.seq_len,
+                "tokens_per_step": t.local_batch_size * t.seq_len * self.gradient_accumulation_steps,
+                "seq_len": t.seq_len,
+                "micro_batch_size": t.local_batch_size,
+                "activation_checkpointing": {"mode": ac_mode},
             }
         )
 
@@ -380,7 +397,7 @@ class TorchtitanJob:
             model = model_config.build()
         model.verify_module_protocol()
         nparams, _ = model_config.get_nparams_and_flops(model, self.config.training.seq_len)
-        self.metadata["torchtitan"]["parameters"] = nparams
+        self.metadata["torchtitan"]["parameters"] = self.metadata["num_params"] = nparams
         return model
 
     def parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
