@@ -24,6 +24,7 @@ from hyperdryrun.commands import measure as measure_command
 from hyperdryrun.commands import report as report_command
 from hyperdryrun.commands import run as run_command
 from hyperdryrun.commands import snapshot as snapshot_command
+from hyperdryrun.commands import torchtitan as torchtitan_command
 from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, config_from_args  # noqa: F401  (public re-exports)
 from hyperdryrun.version import __version__
 
@@ -34,6 +35,7 @@ COMMANDS = [
     audit_kernels_command,
     snapshot_command,
     report_command,
+    torchtitan_command,
 ]
 """Each module registers one subcommand (memray's layout: one small module per command)."""
 

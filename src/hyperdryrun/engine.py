@@ -15,6 +15,7 @@ from torch import nn
 
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import Category
+from hyperdryrun.trace.optimizer_state import describe, no_state_limitation, state_tensors, warm_up
 from hyperdryrun.trace.step import StepTrace
 from hyperdryrun.trace.tensors import resident_tensors
 from hyperdryrun.trace.tracker import MemoryTracker
@@ -115,11 +116,7 @@ def _finish_fsdp_lazy_init(model: nn.Module) -> None:
 def _materialize_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Steady state: real training reaches step 2 with optimizer states allocated. One optimizer step on zero
     gradients, before tracking, creates them lazily as torch would; the gradients are then dropped."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    warm_up(optimizer)
 
 
 def simulate(
@@ -175,10 +172,10 @@ def simulate(
                     "mesh_shape": list(world.mesh_shape),
                     "mesh_dim_names": list(world.mesh_dim_names),
                     "num_micro_batches": num_micro_batches,
-                    "optimizer": type(optimizer).__name__,
+                    "optimizer": describe(optimizer),
                     **(metadata or {}),
                 }
-                trace.limitations = world.limitations
+                trace.limitations = world.limitations + no_state_limitation(optimizer, model)
                 trace.timings = timings
                 del model, optimizer
     except SimulationError:
@@ -246,6 +243,8 @@ def traced_step(
     for p in model.parameters():
         if p.grad is not None:
             tracker.mark(p.grad, Category.GRADIENT)
+    for _, v in state_tensors(optimizer, model):
+        tracker.mark(v, Category.OPTSTATE)
     return tracker, initial
 
 

@@ -10,6 +10,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from hyperdryrun.trace.blocks import Category, round_size
+from hyperdryrun.trace.optimizer_state import state_tensors
 
 
 def clean_fqn(name: str) -> str:
@@ -53,21 +54,6 @@ def unique_storage_bytes(obj: Any, alignment: int) -> int:
     return total
 
 
-def optimizer_state_tensors(opt: torch.optim.Optimizer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(param, state tensor)`` for the optimizer's device state.
-
-    torch 2.13 Adam/AdamW/SGD keep ``state["step"]`` as a host (CPU) scalar unless the group is ``fused`` or
-    ``capturable``; on a CUDA target it takes no device memory, so it is left out (on a CPU simulation device it
-    would otherwise be indistinguishable from device state).
-    """
-    for group in opt.param_groups:
-        host_step = not (group.get("fused") or group.get("capturable"))
-        for p in group["params"]:
-            for key, v in opt.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and not (key == "step" and host_step and v.dim() == 0):
-                    yield p, v
-
-
 def resident_tensors(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> Iterator[tuple[torch.Tensor, Category, str]]:
@@ -86,5 +72,5 @@ def resident_tensors(
                 yield local_tensor(p.grad), Category.GRADIENT, fqn
         for b in mod.buffers(recurse=False):
             yield b, Category.BUFFER, fqn
-    for p, v in optimizer_state_tensors(optimizer):
+    for p, v in state_tensors(optimizer, model):
         yield local_tensor(v), Category.OPTSTATE, owners.get(id(p), "")

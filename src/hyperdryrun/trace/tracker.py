@@ -34,13 +34,13 @@ from hyperdryrun.trace.blocks import (
     stronger,
 )
 from hyperdryrun.trace.modules import ModuleHooks
+from hyperdryrun.trace.optimizer_state import state_tensors
 from hyperdryrun.trace.stacks import StackTable
 from hyperdryrun.trace.step import ModuleStats
 from hyperdryrun.trace.tensors import (
     clean_fqn,
     iter_tensors,
     local_tensor,
-    optimizer_state_tensors,
     unique_storage_bytes,
 )
 
@@ -490,8 +490,8 @@ class MemoryTracker:
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
 
     def mark_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
-        """Mark the optimizer's device state tensors (see :func:`optimizer_state_tensors`)."""
-        for _, v in optimizer_state_tensors(opt):
+        """Mark the optimizer's device state tensors (see :func:`~hyperdryrun.trace.optimizer_state.state_tensors`)."""
+        for _, v in state_tensors(opt):
             self.mark(v, Category.OPTSTATE)
 
     # ----------------------------------------------------------------- results

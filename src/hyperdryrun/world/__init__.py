@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hyperdryrun.trace.blocks import ALIGNMENT
 from hyperdryrun.trace.tracker import MemoryTracker, TrackingFakeTensorMode
+from hyperdryrun.world.compile import CompiledCode
 from hyperdryrun.world.dtensor import untracked_sharding_propagation
 from hyperdryrun.world.fsdp import gradient_accumulation_buffers
 from hyperdryrun.world.kernels import TargetFakeTensorMode, needs_target_kernels, target_kernel_patches
@@ -81,6 +82,7 @@ class SimulatedWorld:
         self.mesh: Any = None
         self.fake_mode: TrackingFakeTensorMode | None = None
         self.tracker: MemoryTracker | None = None
+        self.compiled: CompiledCode | None = None
         self._stack: contextlib.ExitStack | None = None
 
     # ------------------------------------------------------------------ enter / exit
@@ -108,6 +110,9 @@ class SimulatedWorld:
             if self.device != "cuda" and needs_target_kernels(self.target_device, self.device):
                 mode = TargetFakeTensorMode
             self.fake_mode = mode(allow_non_fake_inputs=True)
+            self.compiled = stack.enter_context(
+                CompiledCode(self.target_device, self.device, mode, lambda: self.tracker)
+            )
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -146,6 +151,7 @@ class SimulatedWorld:
                 "modelled (512 B rounding, SDPA backend for an sm90 GPU with cuDNN 9.20, fused dropout and "
                 "rms_norm, fp32 norm statistics, optimizer implementation; `hyperdryrun audit-kernels` lists them)"
             )
+        out += self.compiled.limitations if self.compiled is not None else []
         return out
 
 

@@ -1,0 +1,1 @@
+"""Training frameworks run as they are through :func:`hyperdryrun.simulate` (optional extras)."""

@@ -1,0 +1,569 @@
+"""torchtitan jobs as they are: its config, model, parallelize function, activation checkpointing, optimizer
+container, loss and train step for rank ``r`` of ``N``, on fake tensors (tested: torchtitan 0.3.0, torch 2.13.0).
+
+What runs is torchtitan's own code: ``ConfigManager`` parses ``--module``/``--config`` and the overrides as
+``torchtitan.train`` does; the model is built from the model spec on meta; ``ParallelDims`` builds torchtitan's
+meshes over the simulated world; the spec's ``parallelize_fn`` applies TP, activation checkpointing, compile and
+FSDP; the ``OptimizersContainer``, ``LRSchedulersContainer`` and loss (``ChunkedLossWrapper`` included) are built
+from the config; the step is ``Trainer.train_step`` itself, run on a trainer holding those parts. What does not run:
+the data loader (micro batches of the configured shape are made on the device), the tokenizer, the checkpointer,
+metrics, validation and profiling.
+
+>>> trace = simulate_torchtitan(
+...     ["--module", "llama3", "--config", "llama3_8b", "--parallelism.data_parallel_shard_degree", "8"],
+...     world_size=8, rank=0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyperdryrun.patches import Patch, PatchSet
+
+TESTED_VERSION = "0.3.0"
+"""The torchtitan release this integration is tested with (the ``hyperdryrun[torchtitan]`` extra pins it)."""
+
+SPMD_BACKEND_FLAGS = ("--parallelism.spmd_backend", "--parallelism.spmd-backend")
+
+
+class TorchtitanError(ValueError):
+    """A torchtitan job the dry run cannot run as given; the message is one line naming the field."""
+
+
+def torchtitan_version() -> str | None:
+    """The installed torchtitan's version, or None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torchtitan")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def load_config(argv: Sequence[str]) -> Any:
+    """torchtitan's ``Trainer.Config`` from its own command line (``--module``, ``--config``, overrides)."""
+    try:
+        from torchtitan.config import ConfigManager
+    except ImportError as err:
+        raise TorchtitanError(
+            f"torchtitan is not importable ({err}); install the extra: pip install 'hyperdryrun[torchtitan]'"
+        ) from None
+    from torchtitan.tools.logging import logger as titan_logger
+
+    level = titan_logger.level  # torchtitan logs to the root logger; its warnings speak of a real run
+    titan_logger.setLevel(logging.ERROR)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            return ConfigManager().parse_args(list(argv))
+    except SystemExit as err:  # tyro printed why, in a box
+        if err.code == 0:  # torchtitan's --help, printed
+            raise
+        why = _tyro_message(printed.getvalue()) or f"exit {err.code}"
+        raise TorchtitanError(f"torchtitan rejected the arguments {' '.join(argv)!r}: {why}") from None
+    except (ValueError, ImportError, AttributeError) as err:
+        raise TorchtitanError(f"--module/--config: {err}") from None
+    finally:
+        titan_logger.setLevel(level)
+
+
+def _tyro_message(text: str) -> str:
+    """The message inside tyro's error box (up to its first rule), as one line."""
+    lines = []
+    for raw in text.splitlines()[1:]:
+        line = raw.strip().strip("│").strip()
+        if line.startswith(("─", "╰")):
+            break
+        lines.append(line)
+    return " ".join(" ".join(lines).split())
+
+
+def _spmd_types_fsdp_supported() -> bool:
+    """Whether this torch's ``fully_shard`` takes spmd_types-annotated parameters (pytorch/pytorch#181519, after
+    torch 2.13.0): torchtitan 0.3.0's default ``spmd_backend="spmd_types"`` shards through it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return hasattr(FSDPParam, "_spmd_types_to_dtensor")
+
+
+def _flag_given(argv: Sequence[str], names: Sequence[str]) -> bool:
+    return any(a == n or a.startswith(n + "=") for a in argv for n in names)
+
+
+def _device_patches(simulation_device: str) -> list[Patch]:
+    """torchtitan resolves its device type at import (``tools.utils.device_type``: ``"cuda"`` when no accelerator is
+    present) and modules copy it; in the simulated world the device is the simulation device."""
+    import torchtitan.tools.utils as titan_utils
+
+    resolved, resolved_module = titan_utils.device_type, titan_utils.device_module
+    if resolved == simulation_device:
+        return []
+    from torch._utils import _get_device_module
+
+    module = _get_device_module(simulation_device)
+    patches = []
+    for name, mod in sorted(sys.modules.items()):
+        if mod is None or not (name == "torchtitan" or name.startswith("torchtitan.")):
+            continue
+        if getattr(mod, "device_type", None) == resolved:
+            patches.append(
+                Patch(
+                    mod,
+                    "device_type",
+                    simulation_device,
+                    f"torchtitan {name}.device_type is {resolved!r} (resolved at import without an accelerator); "
+                    f"the simulated world's tensors are on {simulation_device!r}",
+                )
+            )
+        if getattr(mod, "device_module", None) is resolved_module:
+            patches.append(
+                Patch(mod, "device_module", module, f"torchtitan {name}.device_module follows device_type")
+            )
+    return patches
+
+
+def _titan_patches() -> list[Patch]:
+    import torchtitan.distributed.activation_checkpoint as titan_ac
+    import torchtitan.protocols.module as titan_module
+
+    def no_parameter_init(self: Any) -> None:
+        return None
+
+    def keep_lru_cache() -> None:
+        return None
+
+    return [
+        Patch(
+            titan_module.Module,
+            "_init_self_parameters",
+            no_parameter_init,
+            "torchtitan's init_states initialises parameters with torch 2.13 nn.init.trunc_normal_, whose rejection "
+            "sampling reads values (if not mask.any()), which fake tensors lack; parameter values do not change "
+            "memory (buffers are still initialised)",
+        ),
+        Patch(
+            titan_ac,
+            "_disable_dynamo_lru_cache",
+            keep_lru_cache,
+            "torchtitan's activation checkpointing turns off dynamo's C++ LRU cache of compiled graphs, a process "
+            "global with no getter to restore it; in a dry run compiled regions run eagerly, so it has no effect",
+        ),
+    ]
+
+
+@contextlib.contextmanager
+def _restored_torchtitan_globals() -> Iterator[None]:
+    """torchtitan sets process globals while it builds a job (the SPMD backend, dynamo and Inductor configs in
+    apply_compile), and logs to the root logger: all restored on exit."""
+    import torch._dynamo.config
+    import torch._functorch.config
+    import torch._inductor.config
+    import torchtitan.distributed.utils as titan_dist
+    from torchtitan.tools.logging import logger as titan_logger
+
+    configs = [torch._dynamo.config, torch._functorch.config, torch._inductor.config]
+    saved = [c.get_config_copy() for c in configs]
+    backend = titan_dist.get_spmd_backend()
+    level = titan_logger.level  # torchtitan logs to the root logger
+    titan_logger.setLevel(logging.ERROR)  # its INFO/WARNING lines speak of a real run ("HF assets path ...")
+    try:
+        yield
+    finally:
+        titan_logger.setLevel(level)
+        titan_dist.set_spmd_backend(backend)
+        for config, values in zip(configs, saved):
+            now = config.get_config_copy()
+            for key, value in values.items():
+                if now.get(key) is not value and now.get(key) != value:
+                    setattr(config, key, value)
+
+
+class _NoMetrics:
+    """Stands in for torchtitan's MetricsProcessor: the step never logs (no loss ``.item()``, no reductions)."""
+
+    ntokens_since_last_log = 0
+
+    def should_log(self, step: int) -> bool:
+        return False
+
+
+class _NoCheckpointer:
+    """Stands in for torchtitan's checkpointer: nothing is staged or saved."""
+
+    def maybe_wait_for_staging(self) -> None:
+        return None
+
+
+@dataclasses.dataclass
+class TorchtitanJob:
+    """One torchtitan job on rank ``rank`` of ``world_size``: the parsed config and what the simulation builds."""
+
+    argv: list[str]
+    world_size: int
+    rank: int = 0
+    local_rank: int | None = None
+    n_layers: int | None = None
+    target_device: str = "cuda"
+    config: Any = None
+    limitations: list[str] = dataclasses.field(default_factory=list)
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    model: Any = None
+    parallel_dims: Any = None
+    loss_fn: Any = None
+    lr_schedulers: Any = None
+    gradient_accumulation_steps: int = 1
+
+    # ------------------------------------------------------------------ config
+    def prepare(self) -> None:
+        """Parse and check the config; everything here is torchtitan's own config handling."""
+        self.config = config = load_config(self.argv)
+        from torchtitan.distributed import ParallelDims
+
+        p, t = config.parallelism, config.training
+        if p.pipeline_parallel_degree > 1:
+            raise TorchtitanError(
+                "parallelism.pipeline_parallel_degree (--parallelism.pipeline_parallel_degree): pipeline-parallel "
+                f"torchtitan jobs are not supported by the dry run yet (got {p.pipeline_parallel_degree})"
+            )
+        if t.enable_cpu_offload:
+            raise TorchtitanError(
+                "training.enable_cpu_offload (--training.enable_cpu_offload): FSDP CPU offload is not supported by "
+                "the dry run (got True)"
+            )
+        if (
+            p.spmd_backend == "spmd_types"
+            and p.data_parallel_replicate_degree
+            * self._dp_shard()
+            * p.context_parallel_degree
+            * p.tensor_parallel_degree
+            > 1
+            and not _spmd_types_fsdp_supported()
+        ):
+            why = (
+                f"parallelism.spmd_backend='spmd_types' shards parameters through fully_shard support for "
+                f"spmd_types annotations (pytorch/pytorch#181519) that torch {torch.__version__} lacks"
+            )
+            if _flag_given(self.argv, SPMD_BACKEND_FLAGS):
+                raise TorchtitanError(
+                    f"parallelism.spmd_backend (--parallelism.spmd_backend): {why}; use partial_dtensor"
+                )
+            p.spmd_backend = "partial_dtensor"
+            self.limitations.append(
+                f"torchtitan 0.3.0's default {why}, so it fails on this torch also on GPUs: the job ran with "
+                "parallelism.spmd_backend='partial_dtensor' (the same FSDP2/TP layout as DTensors)"
+            )
+        try:
+            dims = ParallelDims.from_config(p, self.world_size)
+        except AssertionError as err:
+            raise TorchtitanError(
+                f"parallelism (--parallelism.*): {err} (world size {self.world_size})"
+            ) from None
+        divisor = (dims.tp if p.enable_sequence_parallel else 1) * (2 * dims.cp if dims.cp > 1 else 1)
+        if t.seq_len % divisor:
+            raise TorchtitanError(
+                f"training.seq_len (--training.seq_len): must be divisible by {divisor} for the configured "
+                f"sequence/context parallelism (got {t.seq_len})"
+            )
+        batch_degree = dims.dp_replicate * dims.dp_shard
+        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * batch_degree
+        if global_batch % (t.local_batch_size * batch_degree):
+            raise TorchtitanError(
+                f"training.global_batch_size (--training.global_batch_size): must be a multiple of local batch "
+                f"size x data-parallel degree = {t.local_batch_size} x {batch_degree} (got {global_batch})"
+            )
+        self.gradient_accumulation_steps = global_batch // (t.local_batch_size * batch_degree)
+
+        model_config = config.model_spec.model
+        model_config.update_from_config(config=config)
+        if config.override.imports:
+            from torchtitan.config.override import apply_overrides
+
+            apply_overrides(config.override, config)
+        layers = len(model_config.layers)
+        if self.n_layers is not None:
+            if not 1 <= self.n_layers <= layers:
+                raise TorchtitanError(
+                    f"--n-layers: must be between 1 and the model's {layers} (got {self.n_layers})"
+                )
+            model_config.layers = model_config.layers[: self.n_layers]
+            self.limitations.append(
+                f"the model is cut to its first {self.n_layers} of {layers} layers (--n-layers)"
+            )
+        if not t.disable_cuda_graphs:
+            self.limitations.append(
+                "training.disable_cuda_graphs=False: on a CUDA GPU torchtitan captures forward+backward in a CUDA "
+                "graph (its private pool keeps the region's memory reserved across steps); the dry run runs it "
+                "eagerly and counts allocated bytes"
+            )
+        if config.debug.deterministic:
+            self.limitations.append(
+                "debug.deterministic is not applied (torch's deterministic algorithms stay off)"
+            )
+        self.limitations.append(
+            f"torchtitan's data loader, tokenizer, checkpointer, metrics, validator and profiler do not run: each "
+            f"micro batch is {t.local_batch_size} x {t.seq_len} input tokens, positions (one document per row) and "
+            "labels made on the device"
+        )
+        self._fill_metadata(dims, layers)
+
+    def _dp_shard(self) -> int:
+        p = self.config.parallelism
+        if p.data_parallel_shard_degree > 0:
+            return p.data_parallel_shard_degree
+        rest = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+        return max(1, self.world_size // (rest * p.pipeline_parallel_degree))
+
+    def _fill_metadata(self, dims: Any, layers: int) -> None:
+        config = self.config
+        spec, model_config, t = config.model_spec, config.model_spec.model, config.training
+        attention = model_config.first_attention
+        inner = type(getattr(attention, "inner_attention", None)).__qualname__.removesuffix(".Config")
+        ac = config.activation_checkpoint
+        ac_mode = "none" if ac is None else type(ac).__qualname__.removesuffix(".Config")
+        from hyperdryrun.version import __version__ as hyperdryrun_version
+
+        self.metadata.update(
+            {
+                "model": f"torchtitan {spec.name} {spec.flavor}",
+                "parallel": {
+                    "dp_replicate": dims.dp_replicate,
+                    "dp_shard": dims.dp_shard,
+                    "cp": dims.cp,
+                    "tp": dims.tp,
+                    "pp": dims.pp,
+                    "ep": dims.ep,
+                },
+                "torchtitan": {
+                    "version": torchtitan_version(),
+                    "argv": list(self.argv),
+                    "flavor": spec.flavor,
+                    "dim": model_config.dim,
+                    "n_layers": len(model_config.layers),
+                    "n_layers_of_model": layers,
+                    "vocab_size": model_config.vocab_size,
+                    "attention": inner,
+                    "activation_checkpoint": "none"
+                    if ac is None
+                    else type(ac).__qualname__.removesuffix(".Config"),
+                    "loss": type(config.loss).__qualname__.removesuffix(".Config"),
+                    "optimizer_implementation": config.optimizer.implementation,
+                    "dtype": t.dtype,
+                    "mixed_precision_param": t.mixed_precision_param,
+                    "mixed_precision_reduce": t.mixed_precision_reduce,
+                    "local_batch_size": t.local_batch_size,
+                    "seq_len": t.seq_len,
+                    "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                    "spmd_backend": config.parallelism.spmd_backend,
+                    "compile": config.compile.enable,
+                    "cuda_graphs": not t.disable_cuda_graphs,
+                },
+                "mode": "dry-run",
+                "hyperdryrun_version": hyperdryrun_version,
+                "torch_version": torch.__version__,
+                "dtype": t.dtype,
+                "mixed_precision": {
+                    "param_dtype": t.mixed_precision_param,
+                    "reduce_dtype": t.mixed_precision_reduce,
+                },
+                "batch_shapes": {
+                    name: [t.local_batch_size, t.seq_len] for name in ("tokens", "positions", "labels")
+                },
+                "tokens_per_micro_batch": t.local_batch_size * t.seq_len,
+                "tokens_per_step": t.local_batch_size * t.seq_len * self.gradient_accumulation_steps,
+                "seq_len": t.seq_len,
+                "micro_batch_size": t.local_batch_size,
+                "activation_checkpointing": {"mode": ac_mode},
+            }
+        )
+
+    # ------------------------------------------------------------------ what simulate calls
+    def build_model(self) -> nn.Module:
+        """The model on meta, in the configured dtype (torchtitan's trainer, without its checkpoint path)."""
+        from torchtitan.config import TORCH_DTYPE_MAP
+        from torchtitan.tools import utils
+
+        model_config = self.config.model_spec.model
+        with utils.set_default_dtype(TORCH_DTYPE_MAP[self.config.training.dtype]):
+            model = model_config.build()
+        model.verify_module_protocol()
+        nparams, _ = model_config.get_nparams_and_flops(model, self.config.training.seq_len)
+        self.metadata["torchtitan"]["parameters"] = self.metadata["num_params"] = nparams
+        return model
+
+    def parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
+        """torchtitan's ParallelDims over the simulated world, then the model spec's parallelize function."""
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed import utils as dist_utils
+
+        config = self.config
+        self.parallel_dims = dims = ParallelDims.from_config(config.parallelism, self.world_size)
+        dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
+        model = config.model_spec.parallelize_fn(
+            model,
+            parallel_dims=dims,
+            training=config.training,
+            parallelism=config.parallelism,
+            compile_config=config.compile,
+            ac_config=config.activation_checkpoint,
+            dump_folder=config.dump_folder,
+        )
+        self.model = model
+        return model
+
+    def build_optimizers(self, params: list[nn.Parameter]) -> Any:
+        """After ``to_empty``: torchtitan's buffer initialisation, loss, optimizer and LR-scheduler containers."""
+        from torchtitan.components.loss import ChunkedLossWrapper
+
+        config, model = self.config, self.model
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        model.train()
+        self.loss_fn = config.loss.build(compile_config=config.compile)
+        if isinstance(self.loss_fn, ChunkedLossWrapper):
+            self.loss_fn.set_lm_head(model.lm_head)
+            model._skip_lm_head = True
+        optimizers = config.optimizer.build(model_parts=[model])
+        if config.model_spec.post_optimizer_build_fn is not None:
+            config.model_spec.post_optimizer_build_fn(optimizers, [model], self.parallel_dims)
+        self.lr_schedulers = config.lr_scheduler.build(
+            optimizers=optimizers, training_steps=config.training.steps
+        )
+        self._steady_state_zero_grad(optimizers)
+        return optimizers
+
+    def _steady_state_zero_grad(self, optimizers: Any) -> None:
+        """The warm-up step that precedes the traced one ends as torchtitan's step 1 does: train_step starts with
+        ``zero_grad(set_to_none=training.disable_cuda_graphs)``, so with CUDA graphs on (the default) gradients
+        are zeroed in place and step 2 starts with them allocated. One call, then the container's own method."""
+        set_to_none = self.config.training.disable_cuda_graphs
+
+        def zero_grad(**_: Any) -> None:
+            del optimizers.zero_grad
+            type(optimizers).zero_grad(optimizers, set_to_none=set_to_none)
+
+        optimizers.zero_grad = zero_grad
+
+    def make_batch(self, i: int, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Micro batch ``i`` as torchtitan's text data loader yields it: input tokens, positions, labels."""
+        t = self.config.training
+        vocab = self.config.model_spec.model.vocab_size
+        shape = (t.local_batch_size, t.seq_len)
+        tokens = torch.randint(0, vocab, shape, device=device)
+        positions = torch.arange(t.seq_len, device=device).repeat(t.local_batch_size, 1)
+        labels = torch.randint(0, vocab, shape, device=device)
+        return {"input": tokens, "positions": positions}, labels
+
+    def step(self, model: nn.Module, optimizers: Any, batches: Iterator[Any]) -> None:
+        """``Trainer.train_step`` on a trainer that holds this job's parts (no metrics, no checkpointer)."""
+        from torchtitan.distributed import utils as dist_utils
+        from torchtitan.distributed.cudagraph import wrap_with_cuda_graph
+        from torchtitan.trainer import Trainer
+
+        from hyperdryrun.world.values import ValueRule, ValueRules, use_rules
+
+        config, t = self.config, self.config.training
+        trainer = Trainer.__new__(Trainer)
+        trainer.config = config
+        trainer.parallel_dims = self.parallel_dims
+        trainer.model_config = config.model_spec.model
+        trainer.model_parts = [model]
+        trainer.loss_fn = self.loss_fn
+        trainer.optimizers = optimizers
+        trainer.lr_schedulers = self.lr_schedulers
+        trainer.metrics_processor = _NoMetrics()
+        trainer.checkpointer = _NoCheckpointer()
+        trainer.device = next(model.parameters()).device
+        trainer.gradient_accumulation_steps = self.gradient_accumulation_steps
+        trainer.num_pipeline_parallel_microbatches = 1
+        trainer.step, trainer.ntokens_seen = 1, 0
+        trainer.train_context = dist_utils.get_spmd_context(
+            parallel_dims=self.parallel_dims,
+            spmd_typechecking=config.parallelism.spmd_backend == "spmd_types"
+            and config.debug.spmd_typechecking,
+        )
+        body = trainer._forward_backward_body
+        trainer.fwd_bwd_fn = body if t.disable_cuda_graphs else wrap_with_cuda_graph(body)
+        # train_step logs int(local_valid_tokens); with synthetic batches every label is valid.
+        tokens = t.local_batch_size * t.seq_len * self.gradient_accumulation_steps
+        rules = ValueRules(
+            [ValueRule(module="", op="aten._local_scalar_dense.default", handler="value", value=tokens)]
+        )
+        with use_rules(rules, root=model):
+            Trainer.train_step(trainer, batches)
+
+
+def simulate_torchtitan(
+    argv: Sequence[str],
+    *,
+    world_size: int,
+    rank: int = 0,
+    local_rank: int | None = None,
+    n_layers: int | None = None,
+    target_device: str = "cuda",
+    capture_stacks: bool = True,
+) -> Any:
+    """Dry-run one training step of a torchtitan job (torchtitan's own command line) as rank ``rank`` of
+    ``world_size``; returns the :class:`~hyperdryrun.engine.StepTrace`. Bad input raises :class:`TorchtitanError`,
+    a failure inside the simulation :class:`~hyperdryrun.engine.SimulationError`."""
+    from hyperdryrun.engine import simulate
+    from hyperdryrun.world import default_simulation_device
+
+    version = torchtitan_version()
+    if version is None:
+        raise TorchtitanError(
+            "torchtitan is not installed; install the extra: pip install 'hyperdryrun[torchtitan]'"
+        )
+    if world_size < 1:
+        raise TorchtitanError(f"--world-size: must be >= 1 (got {world_size})")
+    if not 0 <= rank < world_size:
+        raise TorchtitanError(f"--rank: must satisfy 0 <= rank < world_size={world_size} (got {rank})")
+    import torchtitan.trainer  # noqa: F401  (imports the modules whose device globals are patched)
+
+    job = TorchtitanJob(list(argv), world_size, rank, local_rank, n_layers, target_device)
+    if version != TESTED_VERSION:
+        job.limitations.append(f"torchtitan {version} is not the tested {TESTED_VERSION}")
+    device = default_simulation_device()
+    with _restored_torchtitan_globals(), PatchSet(_device_patches(device) + _titan_patches()):
+        job.prepare()
+        trace = simulate(
+            job.build_model,
+            job.make_batch,
+            step_fn=job.step,
+            parallelize_fn=job.parallelize,
+            optimizer_fn=job.build_optimizers,
+            world_size=world_size,
+            rank=rank,
+            local_rank=local_rank,
+            mesh_shape=(world_size,),
+            mesh_dim_names=("world",),
+            target_device=target_device,
+            num_micro_batches=job.gradient_accumulation_steps,
+            capture_stacks=capture_stacks,
+            metadata=job.metadata,
+        )
+    trace.limitations = [*trace.limitations, *job.limitations]
+    return trace
+
+
+def infer_world_size(argv: Sequence[str]) -> int | None:
+    """The world size the parallelism degrees of a torchtitan command line imply, when none is -1 (inferred)."""
+    config = load_config(argv)
+    p = config.parallelism
+    degrees = [
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        p.context_parallel_degree,
+        p.tensor_parallel_degree,
+        p.pipeline_parallel_degree,
+    ]
+    return None if any(d < 1 for d in degrees) else math.prod(degrees)
