@@ -53,7 +53,15 @@ def run_rank(
     reports, or an error report if it fails."""
     from hyperdryrun.engine import SimulationError
     from hyperdryrun.recipe import job_metadata, run_job
-    from hyperdryrun.report import blocks_csv, build_report, error_report, write_error_report, write_reports
+    from hyperdryrun.report import (
+        blocks_csv,
+        build_report,
+        device_memory_of,
+        error_report,
+        segments_csv,
+        write_error_report,
+        write_reports,
+    )
 
     rank = cfg.world.rank
     try:
@@ -72,9 +80,11 @@ def run_rank(
                 rank, report, [], f"{message} (and the error report could not be written: {werr})"
             )
         return RankOutcome(rank, report, [str(path)], f"{message} (report: {path})")
-    report = build_report(trace, cfg.device_memory_gib, cfg.live_set_limit)
+    device = device_memory_of(trace, cfg.device_memory_gib)
+    report = build_report(trace, cfg.device_memory_gib, cfg.live_set_limit, device)
+    segments = segments_csv(trace, device) if device is not None else None
     try:
-        paths = write_reports(report, blocks_csv(trace), cfg.output_dir, rank)
+        paths = write_reports(report, blocks_csv(trace), cfg.output_dir, rank, segments)
     except OSError as err:
         return RankOutcome(
             rank, report, [], f"--output-dir {cfg.output_dir!r}: cannot write the reports: {err}"

@@ -15,6 +15,11 @@ def rank_paths(output_dir: str | os.PathLike, rank: int) -> tuple[Path, Path]:
     return d / f"rank_{rank}_memory.json", d / f"rank_{rank}_memory.csv"
 
 
+def segments_path(output_dir: str | os.PathLike, rank: int) -> Path:
+    """Where a CUDA target's segment CSV goes, beside the rank's JSON and CSV."""
+    return Path(output_dir) / f"rank_{rank}" / f"rank_{rank}_segments.csv"
+
+
 def atomic_write(path: Path, text: str) -> None:
     """Write ``text`` to a temp file next to ``path`` and rename it over ``path``; no partial file on failure."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,20 +46,31 @@ def to_json(report: dict[str, Any]) -> str:
 
 
 def write_reports(
-    report: dict[str, Any], csv_text: str, output_dir: str | os.PathLike, rank: int
+    report: dict[str, Any],
+    csv_text: str,
+    output_dir: str | os.PathLike,
+    rank: int,
+    segments_text: str | None = None,
 ) -> list[Path]:
-    """Both files of one rank; the CSV first, so a JSON with ``status: ok`` always has its CSV beside it."""
+    """The files of one rank; the CSVs first, so a JSON with ``status: ok`` always has its CSV beside it. Without
+    ``segments_text`` (not a CUDA target) a segment CSV left by an earlier run goes."""
     json_path, csv_path = rank_paths(output_dir, rank)
+    seg_path = segments_path(output_dir, rank)
     text = to_json(report)  # serialise before touching the disk: a bad value fails with nothing written
     atomic_write(csv_path, csv_text)
+    if segments_text is not None:
+        atomic_write(seg_path, segments_text)
+    elif seg_path.exists():
+        seg_path.unlink()
     atomic_write(json_path, text)
-    return [json_path, csv_path]
+    return [json_path, csv_path] + ([seg_path] if segments_text is not None else [])
 
 
 def write_error_report(report: dict[str, Any], output_dir: str | os.PathLike, rank: int) -> Path:
     """The error JSON replaces the rank's report; a CSV from an earlier run would contradict it, so it goes."""
     json_path, csv_path = rank_paths(output_dir, rank)
     atomic_write(json_path, to_json(report))
-    if csv_path.exists():
-        csv_path.unlink()
+    for stale in (csv_path, segments_path(output_dir, rank)):
+        if stale.exists():
+            stale.unlink()
     return json_path
