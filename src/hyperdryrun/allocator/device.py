@@ -108,7 +108,10 @@ class DeviceMemory:
             {"line": WORKSPACES, "bytes": self.workspace_bytes, "inside_allocator": True},
             {"line": ALLOCATOR, "bytes": beyond, "inside_allocator": True},
         ]
-        out += [{"line": c.line, "bytes": c.size, "inside_allocator": False, "source": c.source} for c in self.outside]
+        out += [
+            {"line": c.line, "bytes": c.size, "inside_allocator": False, "source": c.source}
+            for c in self.outside
+        ]
         return out
 
     def tipping_line(self) -> str | None:

@@ -80,6 +80,13 @@ def capacity_bytes(trace: Any, device_memory_gib: float | None = None) -> int | 
     return ((trace.metadata or {}).get("cuda") or {}).get("capacity_bytes")
 
 
+RECORDED_RESERVED_KEYS = (
+    "peak_reserved_bytes",
+    "allocated_at_reserved_peak_bytes",
+    "fragmentation_bytes",
+    "segments_by_pool",
+)
+"""Summary keys an ingested CUDA snapshot gives from its own segments (``metadata.reserved``)."""
 NCCL_LINE = "NCCL buffers"
 CONTEXT_LINE = "CUDA context"
 
@@ -94,7 +101,9 @@ def device_memory_of(trace: Any, device_memory_gib: float | None = None) -> Devi
     alloc = cuda["allocator"]
     ws = cuda["cublas_workspace"]
     workspaces = [
-        Workspace(f"cuBLAS workspace ({h['thread']} thread)", h["stream"], h["first_task"], ws["bytes_per_handle"])
+        Workspace(
+            f"cuBLAS workspace ({h['thread']} thread)", h["stream"], h["first_task"], ws["bytes_per_handle"]
+        )
         for h in ws["handles"]
     ]
     outside = [
@@ -194,6 +203,9 @@ def summarize(
     }
     creators = [b for b in at_peak if b.start == peak_task]
     s["peak_module"] = creators[-1].module if creators else None
+    recorded = (trace.metadata or {}).get("reserved")  # an ingested CUDA snapshot's own segments
+    if device is None and recorded:
+        s.update({k: recorded[k] for k in RECORDED_RESERVED_KEYS})
     if device is not None:
         s.update(device_summary(trace, device))
         if device.capacity is not None:

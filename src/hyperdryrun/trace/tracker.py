@@ -62,7 +62,19 @@ METADATA_OPS = {
 RESIZE_OP = "storage.resize_"
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 MATMUL_OPS = frozenset(
-    {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_addmm_activation", "_scaled_mm"}
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "addmv",
+        "mv",
+        "dot",
+        "vdot",
+        "_addmm_activation",
+        "_scaled_mm",
+    }
 )
 """Ops whose CUDA kernels run cuBLAS/cuBLASLt through ``getCurrentCUDABlasHandle`` (torch 2.13 aten/src/ATen/cuda/
 CUDABlas.cpp), which gives the calling thread's handle a workspace on the current stream the first time."""

@@ -114,7 +114,10 @@ class SimulatedWorld:
             if self.target_device == "cuda":
                 self.cuda_settings = self.cuda.settings()
                 self.streams = StreamRegistry(self.device)
-                streams = [*fsdp_stream_patches(self.streams), record_stream_patch(self.streams, lambda: self.tracker)]
+                streams = [
+                    *fsdp_stream_patches(self.streams),
+                    record_stream_patch(self.streams, lambda: self.tracker),
+                ]
                 stack.enter_context(PatchSet(streams))
             stack.enter_context(PatchSet(untracked_sharding_propagation(lambda: self.tracker)))
             stack.enter_context(PatchSet(gradient_accumulation_buffers(lambda: self.tracker)))

@@ -84,7 +84,9 @@ class CudaRuntime(BaseModel):
     @classmethod
     def _known_gpu(cls, v: str | None) -> str | None:
         if v is not None:
-            CudaTarget(gpu_preset(v))  # unknown names and GPUs the dry run cannot target fail here, in one line
+            CudaTarget(
+                gpu_preset(v)
+            )  # unknown names and GPUs the dry run cannot target fail here, in one line
         return v
 
     @field_validator("alloc_conf")
@@ -130,7 +132,11 @@ class CudaRuntime(BaseModel):
             ws = ws_default
             ws_source = (
                 f"torch 2.13 parseChosenWorkspaceSize default for {preset.arch} (CublasHandlePool.cpp)"
-                + (f"; ${CUBLAS_ENV} {env[CUBLAS_ENV]!r} does not parse, as torch warns" if CUBLAS_ENV in env else "")
+                + (
+                    f"; ${CUBLAS_ENV} {env[CUBLAS_ENV]!r} does not parse, as torch warns"
+                    if CUBLAS_ENV in env
+                    else ""
+                )
             )
         if self.nccl_buffsize is not None:
             buffsize, buff_source = self.nccl_buffsize, "cuda.nccl_buffsize"
