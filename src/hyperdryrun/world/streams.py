@@ -106,12 +106,15 @@ def fsdp_stream_patches(registry: StreamRegistry) -> list[Patch]:
 
 
 def record_stream_patch(registry: StreamRegistry, tracker_of: Callable[[], Any]) -> Patch:
-    """``Tensor.record_stream`` records the stream on the tensor's block instead of calling the kernel."""
+    """While a tracker records, ``Tensor.record_stream`` records the stream on the tensor's block instead of
+    calling the kernel; otherwise (a measured run on a real device) it is torch's own."""
+    orig = torch.Tensor.record_stream
 
     def record_stream(self: torch.Tensor, stream: Any) -> None:
         tracker = tracker_of()
-        if tracker is not None and tracker.active:
-            tracker.record_stream(self, registry.id_of(stream))
+        if tracker is None or not tracker.active:
+            return orig(self, stream)
+        tracker.record_stream(self, registry.id_of(stream))
 
     return Patch(
         torch.Tensor,
