@@ -250,3 +250,57 @@ def test_runtime_cost_settings_come_from_the_job_else_the_variables(monkeypatch)
     assert cuda["cublas_workspace"]["bytes_per_handle"] == 16 * 1024 * 8
     assert cuda["nccl"]["bytes_per_communicator"] == 4 * 2 * ((2 << 20) + 524288 + 4915200)
     assert cuda["cuda_context"]["bytes"] == 300 * 2**20
+
+
+def hand_trace():
+    """Two blocks on stream 0: P (4 MiB, from before the step) and T (2 MiB at task 1, freed at 2)."""
+    from types import SimpleNamespace
+
+    from hyperdryrun.trace.blocks import PERSISTENT_END, Block, Category, Phase
+    from hyperdryrun.trace.stacks import StackTable
+    from hyperdryrun.trace.step import StepTrace
+    from hyperdryrun.world.runtime import CudaRuntime, observed
+
+    mib = 2**20
+    blocks = [
+        Block(0, 4 * mib, 4 * mib, 0, "initialization", Phase.INITIALIZATION, "w", 0, end=PERSISTENT_END,
+              category=Category.PARAMETER),
+        Block(1, 2 * mib, 2 * mib, 1, "mm", Phase.FORWARD, "w", 0, end=2, category=Category.ACTIVATION),
+    ]  # fmt: skip
+    no_step = SimpleNamespace(first_matmuls={}, process_groups={})
+    cuda = observed(CudaRuntime().settings(environ={}), no_step, {0: "compute"})
+    return StepTrace(
+        blocks=blocks, num_tasks=3, task_phase=[Phase.FORWARD] * 3, task_op=["a", "mm", "b"], peak=6 * mib,
+        peak_task=1, current=4 * mib, phase_peak={}, modules={}, stacks=StackTable(), initial=4 * mib,
+        metadata={"cuda": cuda},
+    )  # fmt: skip
+
+
+def test_a_hand_made_trace_reserves_one_segment_at_initialization():
+    # P takes the front of a 20 MiB large segment (a 1-10 MiB request); T is served by the 16 MiB remainder
+    mib = 2**20
+    trace = hand_trace()
+    dm = device_memory_of(trace)
+    s = build_report(trace, device=dm)["summary"]
+    assert (s["peak_reserved_bytes"], s["peak_reserved_phase"], s["peak_reserved_task"]) == (
+        20 * mib,
+        "initialization",
+        0,
+    )
+    assert s["allocated_at_reserved_peak_bytes"] == 4 * mib and s["fragmentation_bytes"] == 16 * mib
+    assert s["peak_allocated_bytes"] == 6 * mib  # P and T together, at task 1
+    assert s["peak_device_bytes"] == 20 * mib + 500 * mib
+    assert [(r["cause"], r["stream"], r["pool"], r["bytes"]) for r in s["reserved_breakdown"]] == [
+        ("tensors", None, None, 4 * mib),
+        ("blocks handed out unsplit", None, None, 0),
+        ("cuBLAS workspaces", None, None, 0),
+        ("cached free blocks", 0, "large", 16 * mib),
+    ]
+    rows = list(csv.reader(io.StringIO(segments_csv(trace, dm))))
+    base = dm.segments[0].address
+    assert rows[1:] == [
+        [str(base), str(20 * mib), "0", "compute", "large", "False", str(base), str(4 * mib), "allocated", "0",
+         str(4 * mib), "Parameter", "initialization"],
+        [str(base), str(20 * mib), "0", "compute", "large", "False", str(base + 4 * mib), str(16 * mib), "free", "",
+         "0", "", ""],
+    ]  # fmt: skip

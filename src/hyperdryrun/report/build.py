@@ -120,6 +120,16 @@ def _stream_names(trace: Any) -> dict[int, str]:
     return {s["id"]: s["name"] for s in cuda.get("streams", [])}
 
 
+def _replay_phase(trace: Any, r: Any) -> str | None:
+    """The phase of the replay's reserved peak: ``initialization`` while the tensors from before the step are
+    allocated (they come first, at task 0), else the phase of its task."""
+    before = sum(1 for b in trace.blocks if b.phase is Phase.INITIALIZATION and b.requested > 0)
+    if 0 <= r.peak_event < before:
+        return str(Phase.INITIALIZATION)
+    task = r.peak_task
+    return str(trace.task_phase[task]) if 0 <= task < len(trace.task_phase) else None
+
+
 def device_summary(trace: Any, dm: DeviceMemory) -> dict[str, Any]:
     """The keys ``summary`` gains for a CUDA target (:data:`hyperdryrun.report.schema.SUMMARY_DEVICE_KEYS`)."""
     r = dm.replay
@@ -131,7 +141,7 @@ def device_summary(trace: Any, dm: DeviceMemory) -> dict[str, Any]:
         "peak_reserved_bytes": dm.peak_reserved,
         "peak_device_bytes": dm.peak_device,
         "peak_reserved_task": task,
-        "peak_reserved_phase": str(trace.task_phase[task]) if 0 <= task < len(trace.task_phase) else None,
+        "peak_reserved_phase": _replay_phase(trace, r),
         "allocated_at_reserved_peak_bytes": r.allocated_at_peak,
         "fragmentation_bytes": dm.fragmentation,
         "reserved_breakdown": [
