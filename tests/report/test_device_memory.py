@@ -180,6 +180,12 @@ def test_the_console_shows_allocated_reserved_and_device_at_a_glance():
         f"{human_bytes(s['peak_reserved_bytes'])}[/] · device [bold]{human_bytes(s['peak_device_bytes'])}[/]"
     )
     assert lines[2] == glance
+    assert lines[3] == (
+        f"  reserved peak in {s['peak_reserved_phase']} (task {s['peak_reserved_task']}): "
+        f"{human_bytes(s['allocated_at_reserved_peak_bytes'])} allocated + {human_bytes(s['fragmentation_bytes'])} cached"
+    )
+    assert lines[4].startswith("    cached: ")  # FSDP2's side-stream pools among them
+    assert "fsdp all-gather copy-in" in lines[4] and "fsdp reduce-scatter" in lines[4]
     assert lines[-3].startswith("  device adds NCCL buffers ") and lines[-3].endswith(
         "CUDA context 0.49 GiB"
     )  # 500 MiB

@@ -98,9 +98,12 @@ def device_lines(s: dict[str, Any], top: int = 3) -> list[str]:
         f"allocated [bold]{_g(s['peak_allocated_bytes'])}[/] · reserved [bold]{_g(s['peak_reserved_bytes'])}[/] · "
         f"device [bold]{_g(s['peak_device_bytes'])}[/]"
     ]
+    lines.append(
+        f"  reserved peak in {s['peak_reserved_phase']} (task {s['peak_reserved_task']}): "
+        f"{_g(s['allocated_at_reserved_peak_bytes'])} allocated + {_g(s['fragmentation_bytes'])} cached"
+    )
     if ranked:
-        pools = ", ".join(f"{name} {_g(n)}" for n, name in ranked[:top])
-        lines.append(f"  cached {_g(s['fragmentation_bytes'])}: {pools}")
+        lines.append("    cached: " + ", ".join(f"{name} {_g(n)}" for n, name in ranked[:top]))
     lines.append("  device adds " + " + ".join(f"{row['line']} {_g(row['bytes'])}" for row in outside))
     return lines
 
