@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hyperdryrun.allocator.options import ENV_VARS, AllocatorConfigError, AllocatorOptions
 from hyperdryrun.world.cuda_target import CudaTarget
-from hyperdryrun.world.gpus import DEFAULT_GPU, GPU_PRESETS, MiB, cublas_workspace_bytes, gpu_preset
+from hyperdryrun.world.gpus import DEFAULT_GPU, MiB, cublas_workspace_bytes, gpu_preset
 
 NCCL_LL_BUFFSIZE = 8 * 512 * 8 * 16
 """NVIDIA/nccl ``DEFAULT_LL_BUFFSIZE``: NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x 16 B."""
@@ -216,4 +216,4 @@ def observed(settings: dict[str, Any], tracker: Any, streams: dict[int, str]) ->
     }
 
 
-__all__ = ["CudaRuntime", "GPU_PRESETS", "communicators", "cublas_config_bytes", "observed"]
+__all__ = ["CudaRuntime", "communicators", "cublas_config_bytes", "observed"]
