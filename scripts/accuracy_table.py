@@ -124,10 +124,31 @@ Module input/output bytes and call counts are not measured (0 in measured report
   ("Could not resolve the process group registered under the name ..."); the caches are cleared per world.
 
 **GPU.** `scripts/gpu_calibrate.py` runs the same configurations on a CUDA GPU (world 1, or one rank with the fake
-process group and real CUDA tensors), records `torch.cuda.max_memory_allocated` / `max_memory_reserved` beside the
-dry run with `target_device: cuda`, and prints one table. No GPU was lent to this session: the script is tested on
-its CPU path only, and there is no GPU table yet.
+process group and real CUDA tensors) and records, beside the dry run with `target_device: cuda` on the matching
+`--gpu` preset, the three figures a GPU shows: `torch.cuda.max_memory_allocated` against the dry run's allocated
+bytes (tensors as the caching allocator sizes them, and cuBLAS workspaces), `max_memory_reserved` against its
+reserved bytes (the allocator model's segments), and the process's `nvidia-smi` used memory after the step against
+its device bytes without the NCCL line (the fake process group creates no communicator; the CUDA context is the
+configured figure, `cuda.context_mib`). It writes the table below, between the markers, when run on a GPU machine
+(`--accuracy` names another file, `--no-accuracy` skips it). No GPU was lent to the sessions so far: the script is
+tested on its CPU path only, and the table is still empty.
 """
+
+
+GPU_BLOCK = (
+    "<!-- gpu-calibration:begin -->\n"
+    "No GPU table yet: run `PYTHONPATH=src python scripts/gpu_calibrate.py` on a CUDA machine.\n"
+    "<!-- gpu-calibration:end -->\n"
+)
+
+
+def gpu_block(path: Path) -> str:
+    """The GPU table scripts/gpu_calibrate.py wrote into ``path`` (its markers included), kept as it is."""
+    text = path.read_text() if path.exists() else ""
+    begin, end = "<!-- gpu-calibration:begin -->", "<!-- gpu-calibration:end -->"
+    if begin in text and end in text:
+        return begin + text.split(begin, 1)[1].split(end, 1)[0] + end + "\n"
+    return GPU_BLOCK
 
 
 def main() -> int:
@@ -146,7 +167,9 @@ def main() -> int:
             print(lines[-1], flush=True)
         tables.append("\n".join(lines) + "\n")
     header = HEADER.format(torch=torch.__version__, machine=f"{platform.machine()} CPU")
-    atomic_write(Path(args.out), header + tables[0] + PIPELINE + tables[1] + FOOTER)
+    atomic_write(
+        Path(args.out), header + tables[0] + PIPELINE + tables[1] + FOOTER + "\n" + gpu_block(Path(args.out))
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -1,20 +1,28 @@
 """GPU calibration: the real step on a CUDA GPU beside the dry run of the same configurations, in one table.
 
-Usage: ``PYTHONPATH=src python scripts/gpu_calibrate.py [--device cuda|cpu] [--rows N] [--json out.json]``.
+Usage: ``PYTHONPATH=src python scripts/gpu_calibrate.py [--device cuda|cpu] [--rows N] [--json out.json]
+[--accuracy docs/ACCURACY.md]``.
 On a CUDA machine each configuration runs for real on the GPU (world 1 in process; for world > 1 the chosen rank
 with real CUDA tensors and the fake process group), after one warm-up step, with
-``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` reset before the measured step; the dry run of the
-same configuration uses ``target_device: cuda``. Without CUDA (``--device cpu``, the default there) the same rows
-run the CPU path: the measured peak comes from the profiler (``hyperdryrun.measure``) and the dry run uses
-``target_device: cpu``.
+``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` reset before the measured step and the process's
+``nvidia-smi`` used memory read after it (the cache is kept, so it holds the reserved peak unless the allocator
+released segments); the dry run of the same configuration uses ``target_device: cuda`` on the same GPU preset and
+gives the three figures to compare: allocated, reserved, and device bytes without NCCL (the fake process group
+creates no communicator). The table goes into ``docs/ACCURACY.md`` (between the ``gpu-calibration`` markers), so
+one run on a GPU machine records it. Without CUDA (``--device cpu``, the default there) the same rows run the CPU
+path: the measured peak comes from the profiler (``hyperdryrun.measure``), the dry run uses ``target_device: cpu``,
+and there are no reserved or device figures; nothing is written to ``docs/ACCURACY.md`` unless asked.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,8 +75,48 @@ TINY: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def measure_cuda(cfg: Any) -> dict[str, int]:
-    """Real step on the GPU: max allocated/reserved bytes of the measured step (after one warm-up step)."""
+ACCURACY = Path(__file__).resolve().parents[1] / "docs" / "ACCURACY.md"
+BEGIN, END = "<!-- gpu-calibration:begin -->", "<!-- gpu-calibration:end -->"
+"""The markers around the GPU table in docs/ACCURACY.md: :func:`write_accuracy` replaces what lies between."""
+
+
+def nvidia_smi_used(pid: int | None = None) -> int | None:
+    """Device memory ``nvidia-smi`` shows for process ``pid`` (default: this one), in bytes; None without it."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
+            return int(parts[1]) * 2**20
+    return None
+
+
+def gpu_preset_name() -> str | None:
+    """The GPU preset matching this machine's GPU (by name and memory), for the dry run's capacity and kernels."""
+    from hyperdryrun.world.gpus import GPU_PRESETS
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    name = props.name.lower()
+    family = next((f for f in ("a100", "h100", "h200", "b200") if f in name), None)
+    candidates = [p for p in GPU_PRESETS.values() if family and p.name.startswith(family)]
+    fitting = [p for p in candidates if p.capacity_bytes >= props.total_memory]
+    return min(fitting, key=lambda p: p.capacity_bytes).name if fitting else None
+
+
+def measure_cuda(cfg: Any) -> dict[str, int | None]:
+    """Real step on the GPU: max allocated/reserved bytes of the measured step (after one warm-up step), and the
+    process's nvidia-smi used memory after it."""
     from hyperdryrun.measure.step import measure_job
 
     torch.cuda.empty_cache()
@@ -91,33 +139,60 @@ def measure_cuda(cfg: Any) -> dict[str, int]:
         trace = measure_job(cfg, capture_stacks=False, device="cuda")
     finally:
         step_mod._profile_step = orig
+    torch.cuda.synchronize()
     return {
         "max_allocated": torch.cuda.max_memory_allocated(),
         "max_reserved": torch.cuda.max_memory_reserved(),
+        "smi_used": nvidia_smi_used(),
         "profiler_peak": trace.peak,
     }
 
 
-def measure_cpu(cfg: Any) -> dict[str, int]:
+def measure_cpu(cfg: Any) -> dict[str, int | None]:
     from hyperdryrun.measure.step import measure_job
 
     trace = measure_job(cfg, capture_stacks=False)
     return {
         "max_allocated": trace.metadata["kernel_scratch"]["peak_bytes_excluding"],
         "max_reserved": trace.peak,
+        "smi_used": None,
         "profiler_peak": trace.peak,
     }
 
 
-def run(rows: list[tuple[str, dict[str, Any]]], device: str) -> list[dict[str, Any]]:
-    """One result dict per configuration: dry-run peak and the measured figures."""
+def dry_figures(cfg: Any) -> dict[str, int | None]:
+    """The dry run's tensor peak and, for a CUDA target, its allocated, reserved and device bytes (device without
+    the NCCL line: a fake process group creates no communicator on the GPU either)."""
     from hyperdryrun.recipe import run_job
+    from hyperdryrun.report.build import NCCL_LINE, device_memory_of
 
+    trace = run_job(cfg, capture_stacks=False)
+    dm = device_memory_of(trace)
+    if dm is None:
+        return {"dry_peak": trace.peak, "dry_allocated": None, "dry_reserved": None, "dry_device": None}
+    nccl = sum(c.size for c in dm.outside if c.line == NCCL_LINE)
+    return {
+        "dry_peak": trace.peak,
+        "dry_allocated": dm.peak_allocated,
+        "dry_reserved": dm.peak_reserved,
+        "dry_device": dm.peak_device - nccl,
+    }
+
+
+def _pct(real: int | None, dry: int | None) -> float | None:
+    return None if not real or dry is None else (real - dry) / real * 100
+
+
+def run(rows: list[tuple[str, dict[str, Any]]], device: str, gpu: str | None = None) -> list[dict[str, Any]]:
+    """One result dict per configuration: the dry run's figures and the measured ones."""
     out = []
     for name, over in rows:
-        cfg = build_config(merge(over, {"target_device": device}))
+        extra: dict[str, Any] = {"target_device": device}
+        if device == "cuda" and gpu:
+            extra["cuda"] = {"gpu": gpu}
+        cfg = build_config(merge(over, extra))
         t0 = time.perf_counter()
-        dry = run_job(cfg, capture_stacks=False).peak
+        dry = dry_figures(cfg)
         t1 = time.perf_counter()
         real = measure_cuda(cfg) if device == "cuda" else measure_cpu(cfg)
         t2 = time.perf_counter()
@@ -125,10 +200,12 @@ def run(rows: list[tuple[str, dict[str, Any]]], device: str) -> list[dict[str, A
             {
                 "config": name,
                 "device": device,
-                "dry_peak": dry,
+                **dry,
                 **real,
-                "diff_allocated": real["max_allocated"] - dry,
-                "diff_pct": (real["max_allocated"] - dry) / real["max_allocated"] * 100,
+                "diff_allocated": real["max_allocated"] - dry["dry_peak"],
+                "diff_pct": _pct(real["max_allocated"], dry["dry_peak"]),
+                "diff_reserved_pct": _pct(real["max_reserved"], dry["dry_reserved"]),
+                "diff_device_pct": _pct(real["smi_used"], dry["dry_device"]),
                 "dry_s": round(t1 - t0, 2),
                 "real_s": round(t2 - t1, 2),
             }
@@ -137,18 +214,47 @@ def run(rows: list[tuple[str, dict[str, Any]]], device: str) -> list[dict[str, A
     return out
 
 
+def _b(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def _p(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.2f}%"
+
+
 def table(results: list[dict[str, Any]]) -> str:
-    """Markdown table; on the CPU path 'max allocated' is the profiler peak without kernel scratch."""
+    """Markdown table; on the CPU path 'max allocated' is the profiler peak without kernel scratch, and there are no
+    reserved or device figures on the dry-run side."""
     lines = [
-        "| config | device | dry-run peak (B) | max allocated (B) | max reserved (B) | diff (B) | diff % |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| config | device | dry-run peak (B) | max allocated (B) | diff (B) | diff % | dry-run allocated (B) "
+        "| dry-run reserved (B) | max reserved (B) | reserved diff % | dry-run device w/o NCCL (B) "
+        "| nvidia-smi used (B) | device diff % |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r['config']} | {r['device']} | {r['dry_peak']:,} | {r['max_allocated']:,} | {r['max_reserved']:,} "
-            f"| {r['diff_allocated']:+,} | {r['diff_pct']:+.2f}% |"
+            f"| {r['config']} | {r['device']} | {r['dry_peak']:,} | {r['max_allocated']:,} "
+            f"| {r['diff_allocated']:+,} | {_p(r['diff_pct'])} | {_b(r['dry_allocated'])} "
+            f"| {_b(r['dry_reserved'])} | {_b(r['max_reserved'])} | {_p(r['diff_reserved_pct'])} "
+            f"| {_b(r['dry_device'])} | {_b(r['smi_used'])} | {_p(r['diff_device_pct'])} |"
         )
     return "\n".join(lines)
+
+
+def write_accuracy(path: Path, heading: str, table_text: str) -> None:
+    """Put ``heading`` and ``table_text`` between the gpu-calibration markers of ``path`` (appended, with the
+    markers, when the file has none); the rest of the file is kept as it is."""
+    from hyperdryrun.report.writer import atomic_write
+
+    text = path.read_text()
+    block = f"{BEGIN}\n{heading}\n\n{table_text}\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1]
+        new = head + block + tail
+    else:
+        new = text.rstrip("\n") + "\n\n" + block + "\n"
+    atomic_write(path, new)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,21 +265,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="llama-tiny rows (tests, CPU)")
     parser.add_argument("--rows", type=int, default=None, help="only the first N configurations")
     parser.add_argument("--json", default=None, help="also write the results as JSON here")
+    parser.add_argument(
+        "--accuracy",
+        default=None,
+        help="write the table into this ACCURACY.md (default on the cuda path: docs/ACCURACY.md)",
+    )
+    parser.add_argument("--no-accuracy", action="store_true", help="do not write the table into ACCURACY.md")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_calibrate: error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
     rows = (TINY if args.tiny else CONFIGS)[: args.rows]
-    results = run(rows, args.device)
+    gpu = gpu_preset_name() if args.device == "cuda" else None
+    results = run(rows, args.device, gpu)
     if args.device == "cuda":
-        print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(table(results))
+        heading = (
+            f"GPU: {torch.cuda.get_device_name()} (dry run as --gpu {gpu or 'h100-80gb'}), torch {torch.__version__}, "
+            "one rank, fake process group for world > 1."
+        )
+    else:
+        heading = f"CPU path (no GPU): torch {torch.__version__}; no reserved or device figures."
+    text = table(results)
+    print(heading)
+    print(text)
     if args.json:
-        from pathlib import Path
-
         from hyperdryrun.report.writer import atomic_write
 
         atomic_write(Path(args.json), json.dumps(results, indent=2) + "\n")
+    target = args.accuracy or (str(ACCURACY) if args.device == "cuda" else None)
+    if target and not args.no_accuracy:
+        write_accuracy(Path(target), heading, text)
+        print(f"wrote the table into {target}", file=sys.stderr)
     return 0
 
 

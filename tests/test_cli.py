@@ -268,7 +268,11 @@ def test_successful_run_writes_exactly_the_rank_files(tmp_path, capsys):
     )
     assert rc == 0, err
     assert "Traceback" not in err
-    assert files_under(out_dir) == {"rank_0/rank_0_memory.json", "rank_0/rank_0_memory.csv"}
+    assert files_under(out_dir) == {
+        "rank_0/rank_0_memory.json",
+        "rank_0/rank_0_memory.csv",
+        "rank_0/rank_0_segments.csv",  # a CUDA target: the caching allocator's segments
+    }
     assert list(tmp_path.rglob("*.tmp")) == []
     report = read_report(out_dir)
     assert report["status"] == "ok"
@@ -306,7 +310,11 @@ def test_torchrun_env_gives_rank_when_no_rank_flag(tmp_path, capsys, monkeypatch
         ["--model", "llama-tiny", "--seq-len", "32", "--output-dir", str(out_dir)], capsys
     )
     assert rc == 0, err
-    assert files_under(out_dir) == {"rank_1/rank_1_memory.json", "rank_1/rank_1_memory.csv"}
+    assert files_under(out_dir) == {
+        "rank_1/rank_1_memory.json",
+        "rank_1/rank_1_memory.csv",
+        "rank_1/rank_1_segments.csv",
+    }
     meta = read_report(out_dir, rank=1)["metadata"]
     assert meta["rank"] == 1
     assert meta["world_size"] == 2
@@ -333,7 +341,7 @@ def test_tiny_device_memory_is_oom_and_exit_1(tmp_path, capsys):
     s = read_report(out_dir)["summary"]
     assert s["oom"] is True
     assert s["capacity_bytes"] == 107374  # round(0.0001 * 2**30) = round(107374.1824)
-    assert s["headroom_bytes"] == 107374 - s["peak_bytes"]
+    assert s["headroom_bytes"] == 107374 - s["peak_device_bytes"]  # a CUDA target is judged on device bytes
     assert s["headroom_bytes"] < 0
     assert s["verdict"].startswith("OOM")
     assert "OOM" in out
@@ -359,7 +367,7 @@ def test_large_device_memory_fits_and_exit_0(tmp_path, capsys):
     s = read_report(out_dir)["summary"]
     assert s["oom"] is False
     assert s["capacity_bytes"] == 80 * GIB == 85_899_345_920
-    assert s["headroom_bytes"] == s["capacity_bytes"] - s["peak_bytes"]
+    assert s["headroom_bytes"] == s["capacity_bytes"] - s["peak_device_bytes"]
     assert 0 < s["headroom_bytes"] < s["capacity_bytes"]
     assert s["verdict"].startswith("fits")
 

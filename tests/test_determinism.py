@@ -24,7 +24,11 @@ def test_two_identical_runs_write_byte_identical_reports(argv, tmp_path, capsys,
         assert main(["run", "--model", "llama-tiny", "--seq-len", "32", *argv, "--output-dir", str(out)]) == 0
         outputs.append({p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()})
     capsys.readouterr()
-    assert sorted(str(p) for p in outputs[0]) == ["rank_0/rank_0_memory.csv", "rank_0/rank_0_memory.json"]
+    assert sorted(str(p) for p in outputs[0]) == [
+        "rank_0/rank_0_memory.csv",
+        "rank_0/rank_0_memory.json",
+        "rank_0/rank_0_segments.csv",  # a CUDA target: the caching allocator's segments at its reserved peak
+    ]
     assert outputs[0] == outputs[1]
 
 
@@ -63,7 +67,6 @@ def test_a_fresh_process_and_a_warm_process_write_the_same_reports(tmp_path, cap
     for name in ("warm1", "warm2"):
         assert main([*argv, "--output-dir", str(tmp_path / name)]) == 0
     capsys.readouterr()
-    for suffix in ("json", "csv"):
-        rel = f"rank_0/rank_0_memory.{suffix}"
+    for rel in ("rank_0/rank_0_memory.json", "rank_0/rank_0_memory.csv", "rank_0/rank_0_segments.csv"):
         fresh = (tmp_path / "fresh" / rel).read_bytes()
         assert fresh == (tmp_path / "warm1" / rel).read_bytes() == (tmp_path / "warm2" / rel).read_bytes()

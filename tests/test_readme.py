@@ -37,6 +37,7 @@ def test_the_bring_your_own_model_example_runs_and_shards_parameters_8_ways(tmp_
     assert sorted(p.name for p in (tmp_path / "my_run" / "rank_3").iterdir()) == [
         "rank_3_memory.csv",
         "rank_3_memory.json",
+        "rank_3_segments.csv",  # a CUDA target (the default): the caching allocator's segments
     ]
 
 

@@ -23,9 +23,9 @@ def test_all_ranks_writes_each_rank_and_reports_the_same_peaks_as_single_runs(tm
     assert "3 of 3 ranks" in table and "max peak" in table
     wrote = [line.removeprefix("wrote ") for line in table.splitlines() if line.startswith("wrote ")]
     assert wrote == [
-        str(tmp_path / "many" / f"rank_{r}" / f"rank_{r}_memory.{ext}")
+        str(tmp_path / "many" / f"rank_{r}" / f"rank_{r}_{name}")
         for r in range(3)
-        for ext in ("json", "csv")
+        for name in ("memory.json", "memory.csv", "segments.csv")
     ]
     # Uneven FSDP shards (64 rows over 3 ranks): the last rank owns fewer rows, so ranks need not agree; each
     # subprocess's report must equal the same rank simulated alone in this process.

@@ -81,6 +81,48 @@ def _modules(ra: dict[str, Any], rb: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+COMPUTE_STREAMS = "compute"
+SIDE_STREAMS = "side streams"
+
+
+def _pool_rows(summary: dict[str, Any]) -> dict[tuple[str, str], dict[str, int]]:
+    """Segments by (pool, compute stream | side streams): stream 0 is the compute stream on both sides (a dry run's
+    id, CUDA's default stream), other ids cannot be matched across sides and are summed."""
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for row in summary.get("segments_by_pool") or []:
+        key = (str(row["pool"]), COMPUTE_STREAMS if row["stream"] == 0 else SIDE_STREAMS)
+        acc = out.setdefault(key, {"segments": 0, "bytes": 0})
+        acc["segments"] += int(row["segments"])
+        acc["bytes"] += int(row["bytes"])
+    return out
+
+
+def reserved_comparison(sa: dict[str, Any], sb: dict[str, Any]) -> dict[str, Any] | None:
+    """The caching allocator's side of two summaries that both have it (a CUDA dry run, a CUDA snapshot): reserved
+    peak, fragmentation there, and segments by pool and stream; None when a side has no reserved figures."""
+    if "peak_reserved_bytes" not in sa or "peak_reserved_bytes" not in sb:
+        return None
+    pa, pb = _pool_rows(sa), _pool_rows(sb)
+    empty = {"segments": 0, "bytes": 0}
+    return {
+        "peak_reserved": _pair(sa["peak_reserved_bytes"], sb["peak_reserved_bytes"]),
+        "fragmentation": _pair(sa.get("fragmentation_bytes"), sb.get("fragmentation_bytes")),
+        "segments_by_pool": [
+            {
+                "pool": pool,
+                "streams": streams,
+                "segments": _pair(
+                    pa.get((pool, streams), empty)["segments"], pb.get((pool, streams), empty)["segments"]
+                ),
+                "bytes": _pair(
+                    pa.get((pool, streams), empty)["bytes"], pb.get((pool, streams), empty)["bytes"]
+                ),
+            }
+            for pool, streams in sorted(pa.keys() | pb.keys())
+        ],
+    }
+
+
 def _block_view(b: dict[str, Any]) -> dict[str, Any]:
     return {k: b.get(k) for k in ("size", "category", "op", "module", "phase", "id")}
 
@@ -138,7 +180,8 @@ def compare(
     verdict uses: without scratch unless ``with_kernel_scratch``), ``tolerance``, ``within_tolerance``,
     ``categories_at_peak``, ``phases``, ``modules`` (names both sides know),
     ``blocks`` (``matching`` rule, ``live_sets_complete``, ``only_in_a``/``only_in_b``: count, bytes, ``top``
-    largest).
+    largest), ``reserved`` (:func:`reserved_comparison`; None unless both sides have the caching allocator's
+    figures).
     """
     ra, rb = a.report, b.report
     sa, sb = ra["summary"], rb["summary"]
@@ -182,6 +225,7 @@ def compare(
         "categories_at_peak": categories,
         "phases": phases,
         "modules": _modules(ra, rb),
+        "reserved": reserved_comparison(sa, sb),
         "blocks": {
             "matching": MATCHING,
             "live_sets_complete": complete,
@@ -253,6 +297,13 @@ def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP
         [(c, r) for c, r in result["categories_at_peak"].items() if r["a"] or r["b"]],
     )
     table("phase peaks", list(result["phases"].items()))
+    res = result.get("reserved")
+    if res:
+        rows = [("peak reserved", res["peak_reserved"]), ("fragmentation at it", res["fragmentation"])]
+        for row in res["segments_by_pool"]:
+            segs = row["segments"]
+            rows.append((f"{row['pool']}/{row['streams']} ({segs['a']}/{segs['b']} segments)", row["bytes"]))
+        table("caching allocator (reserved)", rows)
     if result["modules"]:
         rows = []
         for m in result["modules"]:

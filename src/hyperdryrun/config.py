@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hyperdryrun.models.registry import ModelFamily, family_of, preset_names
 from hyperdryrun.parallel.dims import ParallelDims, PipelineSchedule, stages_per_rank
+from hyperdryrun.world.runtime import CudaRuntime
 from hyperdryrun.world.values import ROUTING_OP, ValueRule, ValueRules
 
 Dtype = Literal["bf16", "fp32"]
@@ -203,6 +204,8 @@ class JobConfig(_Strict):
     world: RankConfig = RankConfig()
     values: ValuesConfig = ValuesConfig()
     target_device: Literal["cuda", "cpu"] = "cuda"
+    cuda: CudaRuntime = CudaRuntime()
+    """A CUDA target's GPU, caching-allocator settings and runtime costs (defaults in hyperdryrun.world.runtime)."""
     device_memory_gib: float | None = Field(None, gt=0)
     output_dir: str = "hyperdryrun_out"
     live_set_limit: int = Field(50, gt=0)

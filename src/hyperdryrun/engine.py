@@ -20,6 +20,7 @@ from hyperdryrun.trace.step import StepTrace
 from hyperdryrun.trace.tensors import resident_tensors
 from hyperdryrun.trace.tracker import MemoryTracker
 from hyperdryrun.world import SimulatedWorld
+from hyperdryrun.world.runtime import CudaRuntime, observed
 
 ModelFn = Callable[[], nn.Module]
 ParallelizeFn = Callable[[nn.Module, Any], nn.Module | None]
@@ -136,6 +137,7 @@ def simulate(
     num_micro_batches: int = 1,
     capture_stacks: bool = True,
     metadata: dict[str, Any] | None = None,
+    cuda: CudaRuntime | None = None,
 ) -> StepTrace:
     """Dry-run one training step of your own model as rank ``rank`` of ``world_size``.
 
@@ -143,12 +145,13 @@ def simulate(
     ``parallelize_fn(model, mesh)`` applies your parallelisms on meta, exactly as in your training script;
     ``optimizer_fn(params)`` builds the optimizer; ``batch_fn(i, device)`` makes micro batch ``i``;
     ``loss_fn(model, batch)`` returns the loss, or ``step_fn(model, optimizer, batches)`` runs the whole step.
+    ``cuda``: the GPU, caching-allocator settings and runtime costs of a CUDA target (``metadata["cuda"]``).
     """
     step_fn = resolve_step(loss_fn, step_fn, num_micro_batches)
     optimizer_fn = optimizer_fn or default_optimizer
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    world = SimulatedWorld(world_size, rank, local_rank, mesh_shape, mesh_dim_names, target_device)
+    world = SimulatedWorld(world_size, rank, local_rank, mesh_shape, mesh_dim_names, target_device, cuda=cuda)
     stages = ["world"]
     try:
         with world, PatchSet(dtensor_speedups()):
@@ -175,6 +178,8 @@ def simulate(
                     "optimizer": describe(optimizer),
                     **(metadata or {}),
                 }
+                if world.streams is not None:
+                    trace.metadata["cuda"] = observed(world.cuda_settings, tracker, world.streams.names)
                 trace.limitations = world.limitations + no_state_limitation(optimizer, model)
                 trace.timings = timings
                 del model, optimizer

@@ -217,6 +217,7 @@ def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
         num_micro_batches=cfg.training.num_micro_batches,
         capture_stacks=capture_stacks,
         metadata=metadata,
+        cuda=cfg.cuda,
     )
     trace.limitations.extend(limitations)
     return trace

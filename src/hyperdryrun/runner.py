@@ -104,7 +104,7 @@ def _simulate(cfg: JobConfig, capture_stacks: bool, execute: Execute | None, mod
     """Run the rank's step and build its report (or its error report); writes nothing."""
     from hyperdryrun.engine import SimulationError
     from hyperdryrun.recipe import job_metadata, run_job
-    from hyperdryrun.report.build import blocks_csv, build_report, error_report
+    from hyperdryrun.report.build import error_report
 
     rank = cfg.world.rank
     try:
@@ -117,8 +117,7 @@ def _simulate(cfg: JobConfig, capture_stacks: bool, execute: Execute | None, mod
             meta = {"mode": mode}
         report = error_report(err.stage, err.error, meta)
         return _Computed(rank, RankReport(rank, report), message, error_kind(err), _formatted(err))
-    report = build_report(trace, cfg.device_memory_gib, cfg.live_set_limit)
-    return _Computed(rank, RankReport(rank, report, blocks_csv(trace), trace))
+    return _Computed(rank, RankReport.from_trace(trace, cfg.device_memory_gib, cfg.live_set_limit))
 
 
 def _write(done: _Computed, output_dir: str, reporters: Sequence[str]) -> RankOutcome:

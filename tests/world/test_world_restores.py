@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPCommContext
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -29,6 +30,10 @@ def snapshot() -> dict:
         "resize_": torch.UntypedStorage.resize_,
         "sharding_prop": ShardingPropagator.__dict__["_propagate_tensor_meta_non_cached"],
         "fsdp_accumulated_grad": FSDPParam.__dict__["to_accumulated_grad_if_needed"],
+        "fsdp_streams": FSDPCommContext.__dict__["lazy_init"],
+        "record_stream": torch.Tensor.record_stream,
+        "record_stream_own": "record_stream" in torch.Tensor.__dict__,
+        "cpu_stream": torch.cpu.current_stream(),
         "dtype": torch.get_default_dtype(),
         "device": torch.get_default_device(),
         "grad": torch.is_grad_enabled(),

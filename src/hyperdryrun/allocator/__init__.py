@@ -2,7 +2,9 @@
 
 A stage over blocks: ``events_from_blocks`` turns a trace's blocks (dry run or ingested) into allocator events,
 ``replay`` runs them through ``CachingAllocatorModel`` under ``AllocatorOptions`` (PYTORCH_CUDA_ALLOC_CONF) and a
-capacity, and returns reserved bytes over time, the reserved peak with its segments, and the first OOM.
+capacity, and returns reserved bytes over time, the reserved peak with its segments, and the first OOM;
+``device_memory`` adds the runtime's own allocations (cuBLAS workspaces) and what it holds outside the allocator
+(NCCL, the CUDA context): allocated, reserved and device bytes, and a verdict against a capacity.
 
 Source read (the pinned torch 2.13.0 is git cf30153, a commit the reference index does not hold): the rules come
 from the newest copy it holds, cyyever/pytorch (a fork at version 2.15.0a0):
@@ -14,6 +16,7 @@ with kLargeBuffer where large_segment_size and max_non_split_rounding_size now s
 The option keys match the pinned libc10.so (see ``options``).
 """
 
+from hyperdryrun.allocator.device import DeviceMemory, OutsideCost, Workspace, device_memory
 from hyperdryrun.allocator.model import CachingAllocatorModel, OutOfMemory, Segment, SegmentBlock
 from hyperdryrun.allocator.options import AllocatorConfigError, AllocatorOptions
 from hyperdryrun.allocator.replay import (
@@ -33,9 +36,13 @@ __all__ = [
     "AllocatorOptions",
     "AllocatorReplay",
     "CachingAllocatorModel",
+    "DeviceMemory",
     "OutOfMemory",
+    "OutsideCost",
     "Segment",
     "SegmentBlock",
+    "Workspace",
+    "device_memory",
     "events_from_blocks",
     "replay",
 ]

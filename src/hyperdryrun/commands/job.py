@@ -98,6 +98,17 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--optimizer-impl": ("training.optimizer_impl", str, "foreach|fused|for-loop"),
     "--lr": ("training.lr", float, "learning rate"),
     "--target-device": ("target_device", str, "device whose memory is estimated (cuda|cpu)"),
+    "--gpu": (
+        "cuda.gpu",
+        str,
+        "GPU preset: capacity, SDPA choice, cuBLAS workspace (a100-40gb|a100-80gb|"
+        "h100-80gb|h100-96gb|h200|b200)",
+    ),
+    "--alloc-conf": (
+        "cuda.alloc_conf",
+        str,
+        "caching-allocator settings, PYTORCH_CUDA_ALLOC_CONF syntax (default: $PYTORCH_CUDA_ALLOC_CONF)",
+    ),
     "--device-memory-gib": (
         "device_memory_gib",
         float,

@@ -11,6 +11,11 @@ Allocated bytes, as ``torch.cuda.memory_allocated`` counts them, drop at ``free_
 once other streams are done), so a free is the ``free_requested`` entry, or ``free_completed`` when the trace was
 recorded without ``free_requested``. Sizes are rounded to 512 B as the allocator does; a block the allocator hands
 out whole (a large cached block not worth splitting) is larger than that, which only ``segments`` would show.
+
+Reserved bytes (``torch.cuda.memory_reserved``) follow the segments: ``segments`` is their state at the snapshot,
+and the trace's ``segment_alloc``/``segment_map`` and ``segment_free``/``segment_unmap`` entries (cudaMalloc and
+cudaFree, or pages of an expandable segment) say how they got there, so :func:`reserved_history` reconstructs
+reserved bytes over the window and the segments at its peak.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from hyperdryrun.trace.stacks import Frame
 from hyperdryrun.trace.step import StepTrace
 
 RESIDENT_OP = "resident before trace"
+SMALL_SEGMENT = 2 << 20
+"""kSmallBuffer: the small pool's segments are exactly 2 MiB, the large pool's never are (a 1-10 MiB request gets a
+20 MiB segment, a larger one its size rounded to 2 MiB, at least 10 MiB)."""
+_SEGMENT_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 ACTIVE_STATES = frozenset({"active_allocated"})
 _ATEN_FRAME = re.compile(r"at::_ops::(\w+)::")
 _BACKWARD_CPP = ("torch::autograd::Engine", "evaluate_function", "torch::autograd::")
@@ -80,7 +89,7 @@ def check_snapshot(data: Any, source: str) -> None:
         for i, e in enumerate(t):
             if not isinstance(e, dict) or "action" not in e:
                 raise IngestError(source, f"device_traces[{d}][{i}] is not a trace entry")
-            if e["action"] in ("alloc", "free_requested", "free_completed") and not (
+            if e["action"] in ("alloc", "free_requested", "free_completed", *_SEGMENT_DELTA) and not (
                 isinstance(e.get("addr"), int) and isinstance(e.get("size"), int)
             ):
                 raise IngestError(source, f"device_traces[{d}][{i}] ({e['action']}) lacks integer addr/size")
@@ -100,6 +109,71 @@ def _pick_device(traces: list[list[dict[str, Any]]], device: str | None, source:
             source, "empty trace: no device has recorded events (enable _record_memory_history)"
         )
     return -max(counts)[1]
+
+
+def _on_device(seg: Any, d: int) -> bool:
+    return isinstance(seg, dict) and seg.get("device", d) == d
+
+
+def _pool_of(size: int) -> str:
+    return "small" if size == SMALL_SEGMENT else "large"
+
+
+def reserved_history(data: Any, d: int, free_action: str) -> dict[str, Any]:
+    """Reserved bytes of device ``d`` over the recorded window: the peak, the allocated bytes and fragmentation
+    (reserved minus allocated) where it is first reached, and the segments then by stream and pool.
+
+    The window's start is the snapshot's state with the window's events undone; allocated bytes are the trace's
+    sizes rounded to 512 B (a block handed out unsplit is larger on the device, so fragmentation is an upper
+    bound). Segments of expandable segments are tracked by mapped range.
+    """
+    segs = [s for s in data["segments"] if _on_device(s, d)]
+    live: dict[int, tuple[int, int, str]] = {
+        int(s["address"]): (int(s.get("total_size", 0)), int(s.get("stream", 0)), str(s.get("segment_type")))
+        for s in segs
+    }
+    reserved = sum(size for size, _, _ in live.values())
+    allocated = sum(int(s.get("allocated_size", 0)) for s in segs)
+    trace = data["device_traces"][d]
+    for e in reversed(trace):  # undo the window, newest first
+        action = e["action"]
+        if action in _SEGMENT_DELTA:
+            reserved -= _SEGMENT_DELTA[action] * int(e["size"])
+            if _SEGMENT_DELTA[action] > 0:
+                live.pop(e["addr"], None)
+            else:
+                live[e["addr"]] = (int(e["size"]), int(e.get("stream", 0)), _pool_of(int(e["size"])))
+        elif action == "alloc":
+            allocated -= -(-int(e["size"]) // ALIGNMENT) * ALIGNMENT
+        elif action == free_action:
+            allocated += -(-int(e["size"]) // ALIGNMENT) * ALIGNMENT
+    peak, peak_allocated, at_peak = reserved, allocated, dict(live)
+    for e in trace:
+        action = e["action"]
+        if action in _SEGMENT_DELTA:
+            reserved += _SEGMENT_DELTA[action] * int(e["size"])
+            if _SEGMENT_DELTA[action] > 0:
+                live[e["addr"]] = (int(e["size"]), int(e.get("stream", 0)), _pool_of(int(e["size"])))
+            else:
+                live.pop(e["addr"], None)
+        elif action == "alloc":
+            allocated += -(-int(e["size"]) // ALIGNMENT) * ALIGNMENT
+        elif action == free_action:
+            allocated -= -(-int(e["size"]) // ALIGNMENT) * ALIGNMENT
+        if reserved > peak:
+            peak, peak_allocated, at_peak = reserved, allocated, dict(live)
+    pools: dict[tuple[int, str], dict[str, Any]] = {}
+    for size, stream, pool in at_peak.values():
+        row = pools.setdefault((stream, pool), {"stream": stream, "pool": pool, "segments": 0, "bytes": 0})
+        row["segments"] += 1
+        row["bytes"] += size
+    return {
+        "peak_reserved_bytes": peak,
+        "allocated_at_reserved_peak_bytes": peak_allocated,
+        "fragmentation_bytes": peak - peak_allocated,
+        "segments_by_pool": [pools[k] for k in sorted(pools)],
+        "reserved_at_snapshot_bytes": sum(int(s.get("total_size", 0)) for s in segs),
+    }
 
 
 def snapshot_events(
@@ -161,11 +235,8 @@ def snapshot_events(
         "device": dev,
         "free_action": free_action,
         "ooms": sum(1 for e in trace if e["action"] == "oom"),
-        "reserved_bytes": sum(
-            int(s.get("total_size", 0))
-            for s in data["segments"]
-            if isinstance(s, dict) and s.get("device", d) == d
-        ),
+        "reserved_bytes": sum(int(s.get("total_size", 0)) for s in data["segments"] if _on_device(s, d)),
+        "reserved": reserved_history(data, d, free_action),
     }
     return events, resident, info
 
@@ -194,6 +265,7 @@ def trace_from_snapshot(data: Any, source: str = "<snapshot>", device: str | Non
         "source": source,
         "target_device": info["device"],
         "reserved_bytes_at_snapshot": info["reserved_bytes"],
+        "reserved": info["reserved"],
     }
     return trace_from_events(
         events, resident=resident, metadata=meta, limitations=limitations, alignment=ALIGNMENT

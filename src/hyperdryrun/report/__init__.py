@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hyperdryrun.report.build import blocks_csv, build_report, error_report
+from hyperdryrun.report.build import blocks_csv, build_report, device_memory_of, error_report, segments_csv
 from hyperdryrun.report.reporters import (
     DEFAULT_REPORTERS,
     REPORTERS,
@@ -26,7 +26,8 @@ def save_reports(
     device_memory_gib: float | None = None,
     live_set_limit: int = 50,
 ) -> list[Path]:
-    """Write ``<output_dir>/rank_<r>/rank_<r>_memory.{json,csv}`` for a trace (atomically); returns the paths."""
+    """Write ``<output_dir>/rank_<r>/rank_<r>_memory.{json,csv}`` for a trace (atomically), and
+    ``rank_<r>_segments.csv`` for a CUDA target; returns the paths."""
     return write_rank_reports(RankReport.from_trace(trace, device_memory_gib, live_set_limit), output_dir)
 
 
@@ -38,10 +39,12 @@ __all__ = [
     "RankReport",
     "blocks_csv",
     "build_report",
+    "device_memory_of",
     "error_report",
     "rank_paths",
     "register_reporter",
     "save_reports",
+    "segments_csv",
     "write_error_report",
     "write_rank_reports",
     "write_reports",

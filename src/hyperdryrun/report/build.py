@@ -11,7 +11,16 @@ import io
 import math
 from typing import Any
 
-from hyperdryrun.report.schema import CSV_COLUMNS, GIB, NOT_MODELLED, SCHEMA_VERSION, human_bytes
+from hyperdryrun.allocator import AllocatorOptions, DeviceMemory, OutsideCost, Workspace, device_memory
+from hyperdryrun.report.schema import (
+    CSV_COLUMNS,
+    GIB,
+    NOT_MODELLED,
+    NOT_MODELLED_CUDA,
+    SCHEMA_VERSION,
+    SEGMENT_CSV_COLUMNS,
+    human_bytes,
+)
 from hyperdryrun.trace.blocks import (
     CATEGORY_ORDER,
     PERSISTENT_END,
@@ -64,8 +73,125 @@ def block_record(trace: Any, b: Block, with_stack: bool = True) -> dict[str, Any
     return rec
 
 
-def summarize(trace: Any, device_memory_gib: float | None = None) -> dict[str, Any]:
-    """Peak and what it consists of, bytes after the step, and the capacity verdict."""
+def capacity_bytes(trace: Any, device_memory_gib: float | None = None) -> int | None:
+    """The device's capacity: ``device_memory_gib`` when given, else the named GPU's (CUDA targets), else None."""
+    if device_memory_gib is not None:
+        return int(round(device_memory_gib * GIB))
+    return ((trace.metadata or {}).get("cuda") or {}).get("capacity_bytes")
+
+
+RECORDED_RESERVED_KEYS = (
+    "peak_reserved_bytes",
+    "allocated_at_reserved_peak_bytes",
+    "fragmentation_bytes",
+    "segments_by_pool",
+)
+"""Summary keys an ingested CUDA snapshot gives from its own segments (``metadata.reserved``)."""
+NCCL_LINE = "NCCL buffers"
+CONTEXT_LINE = "CUDA context"
+
+
+def device_memory_of(trace: Any, device_memory_gib: float | None = None) -> DeviceMemory | None:
+    """The allocator stage for a dry run of a CUDA target (``metadata.cuda``): the step's blocks and cuBLAS
+    workspaces through the caching allocator under the job's settings, NCCL buffers and the CUDA context beside
+    it, against the capacity. None for other traces."""
+    cuda = (trace.metadata or {}).get("cuda")
+    if not cuda:
+        return None
+    alloc = cuda["allocator"]
+    ws = cuda["cublas_workspace"]
+    workspaces = [
+        Workspace(
+            f"cuBLAS workspace ({h['thread']} thread)", h["stream"], h["first_task"], ws["bytes_per_handle"]
+        )
+        for h in ws["handles"]
+    ]
+    outside = [
+        OutsideCost(NCCL_LINE, cuda["nccl"]["bytes"], cuda["nccl"]["formula"]),
+        OutsideCost(CONTEXT_LINE, cuda["cuda_context"]["bytes"], cuda["cuda_context"]["source"]),
+    ]
+    options = AllocatorOptions.parse(alloc["settings"], source=alloc["source"])
+    capacity = capacity_bytes(trace, device_memory_gib)
+    return device_memory(trace.blocks, trace.peak, workspaces, outside, options, capacity)
+
+
+def _stream_names(trace: Any) -> dict[int, str]:
+    cuda = (trace.metadata or {}).get("cuda") or {}
+    return {s["id"]: s["name"] for s in cuda.get("streams", [])}
+
+
+def _replay_phase(trace: Any, r: Any) -> str | None:
+    """The phase of the replay's reserved peak: ``initialization`` while the tensors from before the step are
+    allocated (they come first, at task 0), else the phase of its task."""
+    before = sum(1 for b in trace.blocks if b.phase is Phase.INITIALIZATION and b.requested > 0)
+    if 0 <= r.peak_event < before:
+        return str(Phase.INITIALIZATION)
+    task = r.peak_task
+    return str(trace.task_phase[task]) if 0 <= task < len(trace.task_phase) else None
+
+
+def device_summary(trace: Any, dm: DeviceMemory) -> dict[str, Any]:
+    """The keys ``summary`` gains for a CUDA target (:data:`hyperdryrun.report.schema.SUMMARY_DEVICE_KEYS`)."""
+    r = dm.replay
+    names = _stream_names(trace)
+    task = r.peak_task
+    cuda = trace.metadata["cuda"]
+    return {
+        "peak_allocated_bytes": dm.peak_allocated,
+        "peak_reserved_bytes": dm.peak_reserved,
+        "peak_device_bytes": dm.peak_device,
+        "peak_reserved_task": task,
+        "peak_reserved_phase": _replay_phase(trace, r),
+        "allocated_at_reserved_peak_bytes": r.allocated_at_peak,
+        "fragmentation_bytes": dm.fragmentation,
+        "reserved_breakdown": [
+            {**row, "stream_name": names.get(row["stream"])} if row["stream"] is not None else row
+            for row in dm.breakdown()
+        ],
+        "segments_by_pool": [{**row, "stream_name": names.get(row["stream"])} for row in dm.pools()],
+        "device_lines": dm.lines(),
+        "allocator": {
+            "settings": cuda["allocator"]["settings"],
+            "source": cuda["allocator"]["source"],
+            "device_allocs": r.device_allocs,
+            "device_frees": r.device_frees,
+            "alloc_retries": r.alloc_retries,
+        },
+    }
+
+
+def _device_verdict(trace: Any, dm: DeviceMemory, capacity: int, gib_text: str) -> dict[str, Any]:
+    headroom = capacity - dm.peak_device
+    figures = (
+        f"allocated {human_bytes(dm.peak_allocated)}, reserved {human_bytes(dm.peak_reserved)}, "
+        f"device {human_bytes(dm.peak_device)}"
+    )
+    if dm.oom is not None:
+        o = dm.oom
+        op = trace.task_op[o.task] if 0 <= o.task < len(trace.task_op) else "?"
+        verdict = (
+            f"OOM: the device peak {human_bytes(dm.peak_device)} exceeds {gib_text} GiB by "
+            f"{human_bytes(-headroom)}, {dm.tipping_line()} tips it ({figures}); the caching allocator cannot get "
+            f"{human_bytes(o.alloc_size)} at task {o.task} ({op}) with {human_bytes(o.reserved)} reserved"
+        )
+    else:
+        verdict = f"fits: device peak {human_bytes(dm.peak_device)} of {gib_text} GiB, {human_bytes(headroom)} headroom ({figures})"
+        if dm.replay.alloc_retries:
+            verdict += f"; the allocator had to release its cache {dm.replay.alloc_retries} time(s) to fit"
+    return {
+        "headroom_bytes": headroom,
+        "headroom_gib": gib(headroom),
+        "oom": dm.oom is not None,
+        "verdict": verdict,
+        "verdict_line": dm.tipping_line(),
+    }
+
+
+def summarize(
+    trace: Any, device_memory_gib: float | None = None, device: DeviceMemory | None = None
+) -> dict[str, Any]:
+    """Peak and what it consists of, bytes after the step, the device figures of a CUDA target (``device``: its
+    allocator stage) and the capacity verdict (on device bytes where the allocator stage ran)."""
     blocks = trace.blocks
     peak_task = trace.peak_task
     at_peak = alive_at(blocks, peak_task) if peak_task >= 0 else []
@@ -87,7 +213,17 @@ def summarize(trace: Any, device_memory_gib: float | None = None) -> dict[str, A
     }
     creators = [b for b in at_peak if b.start == peak_task]
     s["peak_module"] = creators[-1].module if creators else None
-    if device_memory_gib is not None:
+    recorded = (trace.metadata or {}).get("reserved")  # an ingested CUDA snapshot's own segments
+    if device is None and recorded:
+        s.update({k: recorded[k] for k in RECORDED_RESERVED_KEYS})
+    if device is not None:
+        s.update(device_summary(trace, device))
+        if device.capacity is not None:
+            gib_value = device_memory_gib if device_memory_gib is not None else device.capacity / GIB
+            s["capacity_bytes"] = device.capacity
+            s["capacity_gib"] = gib_value
+            s.update(_device_verdict(trace, device, device.capacity, f"{gib_value:g}"))
+    elif device_memory_gib is not None:
         capacity = int(round(device_memory_gib * GIB))
         headroom = capacity - trace.peak
         s["capacity_bytes"] = capacity
@@ -197,19 +333,25 @@ def peak_live_set(trace: Any, limit: int) -> dict[str, Any]:
 
 
 def build_report(
-    trace: Any, device_memory_gib: float | None = None, live_set_limit: int = 50
+    trace: Any,
+    device_memory_gib: float | None = None,
+    live_set_limit: int = 50,
+    device: DeviceMemory | None = None,
 ) -> dict[str, Any]:
-    """The JSON report of one rank (see :mod:`hyperdryrun.report.schema`)."""
+    """The JSON report of one rank (see :mod:`hyperdryrun.report.schema`); ``device``: the allocator stage's result
+    when already computed (:func:`device_memory_of`, also what :func:`segments_csv` writes)."""
     at_peak = alive_at(trace.blocks, trace.peak_task) if trace.peak_task >= 0 else []
+    if device is None:
+        device = device_memory_of(trace, device_memory_gib)
     return {
         "schema_version": SCHEMA_VERSION,
         "status": "ok",
         "metadata": trace.metadata,
-        "summary": summarize(trace, device_memory_gib),
+        "summary": summarize(trace, device_memory_gib, device),
         "phases": phases(trace),
         "modules": modules(trace, at_peak),
         "peak_live_set": peak_live_set(trace, live_set_limit),
-        "limitations": [*trace.limitations, *NOT_MODELLED],
+        "limitations": [*trace.limitations, *(NOT_MODELLED_CUDA if device is not None else NOT_MODELLED)],
     }
 
 
@@ -248,7 +390,7 @@ def csv_rows(trace: Any) -> list[list[Any]]:
                 _plot(b.start_plot),
                 _plot(b.end_plot),
                 b.addr,
-                0,
+                b.stream,
                 "small" if b.small else "large",
                 b.size,
                 b.used_after_alloc,
@@ -276,4 +418,42 @@ def blocks_csv(trace: Any) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
     w.writerows(csv_rows(trace))
+    return buf.getvalue()
+
+
+def segment_rows(trace: Any, device: DeviceMemory) -> list[list[Any]]:
+    """One row per block of every segment at the reserved peak, by address (:data:`SEGMENT_CSV_COLUMNS`)."""
+    names = _stream_names(trace)
+    blocks = {b.id: b for b in trace.blocks}
+    rows = []
+    for seg in device.segments:
+        for b in seg.blocks:
+            ws = device.workspace_ids.get(b.block) if b.block is not None else None
+            traced = blocks[b.block] if b.block is not None and ws is None else None
+            rows.append(
+                [
+                    seg.address,
+                    seg.size,
+                    seg.stream,
+                    names.get(seg.stream, ""),
+                    seg.pool,
+                    seg.expandable,
+                    b.address,
+                    b.size,
+                    b.state,
+                    traced.id if traced is not None else "",
+                    b.requested,
+                    str(traced.category) if traced is not None else ("cuBLAS workspace" if ws else ""),
+                    traced.op if traced is not None else (ws.label if ws else ""),
+                ]
+            )
+    return rows
+
+
+def segments_csv(trace: Any, device: DeviceMemory) -> str:
+    """The segment CSV of a CUDA target (``rank_<r>_segments.csv``): the caching allocator at its reserved peak."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(SEGMENT_CSV_COLUMNS)
+    w.writerows(segment_rows(trace, device))
     return buf.getvalue()

@@ -69,14 +69,44 @@ def headline(report: dict[str, Any]) -> list[str]:
         f"[bold]{md.get('model', 'model')}[/] · rank {md.get('rank')} of {md.get('world_size')} · {layout} · {where}",
         f"peak [bold]{_g(s['peak_bytes'])}[/] in {s['peak_phase']} (task {s['peak_task']}, {s['peak_op']})",
     ]
+    lines.extend(device_lines(s))
     if "capacity_bytes" in s:
+        judged = " on the device" if "peak_device_bytes" in s else ""
         if s["oom"]:
-            lines.append(f"[bold red]OOM[/]: over {s['capacity_gib']:g} GiB by {_g(-s['headroom_bytes'])}")
+            tips = f" ({s['verdict_line']} tips it)" if s.get("verdict_line") else ""
+            lines.append(
+                f"[bold red]OOM[/]: over {s['capacity_gib']:g} GiB{judged} by {_g(-s['headroom_bytes'])}{tips}"
+            )
         else:
             lines.append(
-                f"[bold green]fits[/] in {s['capacity_gib']:g} GiB: {_g(s['headroom_bytes'])} headroom"
+                f"[bold green]fits[/] in {s['capacity_gib']:g} GiB{judged}: {_g(s['headroom_bytes'])} headroom"
             )
     lines.append(f"after the step: {_g(s['current_bytes'])}")
+    return lines
+
+
+def device_lines(s: dict[str, Any], top: int = 3) -> list[str]:
+    """A CUDA target's three figures at a glance, and what lies between them (empty for other reports)."""
+    if "peak_device_bytes" not in s:
+        return []
+    cached: dict[str, int] = {}
+    for row in s["reserved_breakdown"]:
+        if row["stream"] is not None:
+            name = row.get("stream_name") or f"stream {row['stream']}"
+            cached[name] = cached.get(name, 0) + row["bytes"]
+    ranked = sorted(((n, name) for name, n in cached.items() if n), key=lambda r: (-r[0], r[1]))
+    outside = [row for row in s["device_lines"] if not row["inside_allocator"]]
+    lines = [
+        f"allocated [bold]{_g(s['peak_allocated_bytes'])}[/] · reserved [bold]{_g(s['peak_reserved_bytes'])}[/] · "
+        f"device [bold]{_g(s['peak_device_bytes'])}[/]"
+    ]
+    lines.append(
+        f"  reserved peak in {s['peak_reserved_phase']} (task {s['peak_reserved_task']}): "
+        f"{_g(s['allocated_at_reserved_peak_bytes'])} allocated + {_g(s['fragmentation_bytes'])} cached"
+    )
+    if ranked:
+        lines.append("    cached: " + ", ".join(f"{name} {_g(n)}" for n, name in ranked[:top]))
+    lines.append("  device adds " + " + ".join(f"{row['line']} {_g(row['bytes'])}" for row in outside))
     return lines
 
 

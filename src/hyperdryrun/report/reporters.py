@@ -23,12 +23,14 @@ from hyperdryrun.report.writer import rank_paths, with_csv_file, write_error_rep
 @dataclass
 class RankReport:
     """One rank's report in memory: the JSON report (``status`` ok or error), the block CSV of an ok run, and the
-    trace when it is at hand in this process (None when the rank ran in a worker process)."""
+    trace when it is at hand in this process (None when the rank ran in a worker process); for a CUDA target also
+    the segment CSV of the allocator model's reserved peak."""
 
     rank: int
     report: dict[str, Any]
     csv_text: str | None = None
     trace: Any = None
+    segments_text: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -38,11 +40,14 @@ class RankReport:
     def from_trace(
         cls, trace: Any, device_memory_gib: float | None = None, live_set_limit: int = 50
     ) -> RankReport:
-        """The report and CSV of a traced (or ingested) step."""
-        from hyperdryrun.report.build import blocks_csv, build_report
+        """The report and CSVs of a traced (or ingested) step: for a CUDA target the allocator model runs once
+        (reserved and device bytes in the report, its segments in the segment CSV)."""
+        from hyperdryrun.report.build import blocks_csv, build_report, device_memory_of, segments_csv
 
-        report = build_report(trace, device_memory_gib, live_set_limit)
-        return cls(trace.metadata.get("rank", 0), report, blocks_csv(trace), trace)
+        device = device_memory_of(trace, device_memory_gib)
+        report = build_report(trace, device_memory_gib, live_set_limit, device)
+        segments = segments_csv(trace, device) if device is not None else None
+        return cls(trace.metadata.get("rank", 0), report, blocks_csv(trace), trace, segments)
 
 
 Reporter = Callable[[RankReport, Path], list[Path]]
@@ -99,7 +104,7 @@ def write_json_and_csv(rank: RankReport, output_dir: Path) -> list[Path]:
     if rank.csv_text is None:
         raise ValueError(f"rank {rank.rank}: an ok report needs its block CSV (csv_text is None)")
     written = with_csv_file(rank.report, rank_paths(output_dir, rank.rank)[1].name, rank.csv_text)
-    paths = write_reports(rank.report, rank.csv_text, output_dir, rank.rank)
+    paths = write_reports(rank.report, rank.csv_text, output_dir, rank.rank, rank.segments_text)
     rank.report = written  # what the JSON file holds
     return paths
 

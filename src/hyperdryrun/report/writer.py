@@ -19,6 +19,11 @@ def rank_paths(output_dir: str | os.PathLike, rank: int) -> tuple[Path, Path]:
     return d / f"rank_{rank}_memory.json", d / f"rank_{rank}_memory.csv"
 
 
+def segments_path(output_dir: str | os.PathLike, rank: int) -> Path:
+    """Where a CUDA target's segment CSV goes, beside the rank's JSON and CSV."""
+    return Path(output_dir) / f"rank_{rank}" / f"rank_{rank}_segments.csv"
+
+
 def _write_temp(path: Path, text: str) -> Path:
     """``text`` in a new temporary file beside ``path``, with the usual file mode; nothing is left if it fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,22 +126,32 @@ def with_csv_file(report: dict[str, Any], csv_name: str, csv_text: str) -> dict[
 
 
 def write_reports(
-    report: dict[str, Any], csv_text: str, output_dir: str | os.PathLike, rank: int
+    report: dict[str, Any],
+    csv_text: str,
+    output_dir: str | os.PathLike,
+    rank: int,
+    segments_text: str | None = None,
 ) -> list[Path]:
-    """Both files of one rank, written as a pair: the CSV is renamed into place first and the JSON last, so a JSON
-    with ``status: ok`` always has its own CSV beside it (named, sized and hashed in the JSON), and a failure leaves
-    the previous pair as it was."""
+    """The files of one rank, written together: the CSVs are renamed into place first and the JSON last, so a JSON
+    with ``status: ok`` always has its own block CSV beside it (named, sized and hashed in the JSON), and a failure
+    leaves the previous files as they were. Without ``segments_text`` (not a CUDA target) a segment CSV left by an
+    earlier run goes."""
     json_path, csv_path = rank_paths(output_dir, rank)
+    seg_path = segments_path(output_dir, rank)
     # serialise before touching the disk: a bad value fails with nothing written
     text = to_json(with_csv_file(report, csv_path.name, csv_text))
-    write_together([(csv_path, csv_text), (json_path, text)])
-    return [json_path, csv_path]
+    files = [(csv_path, csv_text)] + ([(seg_path, segments_text)] if segments_text is not None else [])
+    if segments_text is None and seg_path.exists():
+        seg_path.unlink()
+    write_together([*files, (json_path, text)])
+    return [json_path, csv_path] + ([seg_path] if segments_text is not None else [])
 
 
 def write_error_report(report: dict[str, Any], output_dir: str | os.PathLike, rank: int) -> Path:
     """The error JSON replaces the rank's report; a CSV from an earlier run would contradict it, so it goes."""
     json_path, csv_path = rank_paths(output_dir, rank)
     atomic_write(json_path, to_json(report))
-    if csv_path.exists():
-        csv_path.unlink()
+    for stale in (csv_path, segments_path(output_dir, rank)):
+        if stale.exists():
+            stale.unlink()
     return json_path

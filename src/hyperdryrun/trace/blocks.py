@@ -10,6 +10,8 @@ PERSISTENT_END = 2**63 - 1
 ADDRESS_BASE = 0xF00000000000
 ALIGNMENT = 512
 SMALL_BLOCK = 1 << 20
+COMPUTE_STREAM = 0
+"""Stream id of the compute stream (CUDA's default stream); side streams get 1, 2, ... as the world names them."""
 
 
 class Category(StrEnum):
@@ -75,6 +77,13 @@ class Block:
     micro_batch: int = 0
     start_plot: float = 0.0
     end_plot: float = float(PERSISTENT_END)
+    stream: int = COMPUTE_STREAM
+    """Stream the allocation is made on (the current stream when the storage was created): the caching allocator
+    keeps a pool per stream, so a block freed on one stream serves only later allocations on that stream."""
+    use_streams: frozenset[int] = frozenset()
+    """Other streams the caching allocator is told the block is used on (``Tensor.record_stream``): its memory
+    returns to the pool only once those uses complete. Cross-stream uses ordered by events instead (FSDP2, NCCL's
+    stashed tensors) are not listed: the allocator never learns of them."""
 
     @property
     def persistent(self) -> bool:

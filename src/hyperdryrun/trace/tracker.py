@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import (
     ADDRESS_BASE,
     ALIGNMENT,
+    COMPUTE_STREAM,
     Block,
     Category,
     Phase,
@@ -60,6 +61,28 @@ METADATA_OPS = {
 """Ops that only read a tensor's metadata: never an allocation or a use of its memory, so never a task."""
 RESIZE_OP = "storage.resize_"
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+MATMUL_OPS = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "addmv",
+        "mv",
+        "dot",
+        "vdot",
+        "_addmm_activation",
+        "_scaled_mm",
+    }
+)
+"""Ops whose CUDA kernels run cuBLAS/cuBLASLt through ``getCurrentCUDABlasHandle`` (torch 2.13 aten/src/ATen/cuda/
+CUDABlas.cpp), which gives the calling thread's handle a workspace on the current stream the first time."""
+MAIN_THREAD = "main"
+AUTOGRAD_THREAD = "autograd"
+"""Threads that run a step's kernels on CUDA: the Python thread, and the autograd engine's device thread, which runs
+every backward (and recompute) kernel (torch 2.13 ``Engine::start_device_threads``); each has its own cuBLAS handle."""
+_GROUP_ARGS = ("group_name", "process_group")
 
 
 _active: MemoryTracker | None = None
@@ -105,6 +128,14 @@ class MemoryTracker:
         self._modtracker: ModuleHooks | None = None
         self._patches: PatchSet | None = None
         self._outer: MemoryTracker | None = None
+        self.stream_of: Callable[[], int] | None = None
+        """The stream id of the current stream (set by the world for a CUDA target); None: every block is on the
+        compute stream."""
+        self.first_matmuls: dict[tuple[str, int], int] = {}
+        """(thread, stream) -> the first task that ran a cuBLAS matmul there."""
+        self.process_groups: dict[str, None] = {}
+        """Names of the process groups the step's collectives and point-to-point ops ran on, in first-use order."""
+        self._group_arg: dict[Any, int] = {}
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, root: torch.nn.Module | None = None) -> None:
@@ -247,6 +278,11 @@ class MemoryTracker:
             return
         if func is _WAIT_TENSOR and self._alias(args[0], out):
             return
+        group_arg = self._group_arg.get(func)
+        if group_arg is None:
+            group_arg = self._group_arg[func] = _group_arg_index(func)
+        if group_arg >= 0 and group_arg < len(args):
+            self._note_group(args[group_arg])
         live = self._live
         used = []
         inputs = set()  # an output on an input's storage (in-place, out=) is no allocation, tracked or not
@@ -282,6 +318,9 @@ class MemoryTracker:
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         self.task_op.append(name)
         self.task_phase.append(phase)
+        if name in MATMUL_OPS:
+            thread = MAIN_THREAD if torch._C._current_graph_task_id() == -1 else AUTOGRAD_THREAD
+            self.first_matmuls.setdefault((thread, self._stream()), task)
         for blk in used:
             users = blk.users
             if not users or users[-1] != task:
@@ -306,6 +345,23 @@ class MemoryTracker:
         if key not in self._refs:
             self._refs[key] = weakref.ref(dst, self._storage_died(key))
         return True
+
+    def _note_group(self, group: Any) -> None:
+        if not isinstance(group, str):
+            try:
+                group = torch.distributed.ProcessGroup.unbox(group).group_name
+            except Exception:  # not a boxed ProcessGroup: nothing to record
+                return
+        self.process_groups.setdefault(group, None)
+
+    def _stream(self) -> int:
+        return self.stream_of() if self.stream_of is not None else COMPUTE_STREAM
+
+    def record_stream(self, tensor: torch.Tensor, stream: int) -> None:
+        """``tensor.record_stream(s)``: the caching allocator holds its block until the uses on ``stream`` finish."""
+        blk = self._live.get(id(local_tensor(tensor).untyped_storage()))
+        if blk is not None and stream != blk.stream:
+            blk.use_streams = blk.use_streams | {stream}
 
     def _end_task(self, phase: Phase) -> None:
         """Phase peaks are taken at allocating tasks: live bytes only grow there, and a task that merely uses memory
@@ -358,6 +414,7 @@ class MemoryTracker:
             addr=self._next_addr,
             category=self._roles.get(st, self._default_category),
             micro_batch=self.micro_batch,
+            stream=COMPUTE_STREAM if phase is Phase.INITIALIZATION else self._stream(),
         )
         self._next_addr += round_size(max(size, 1), ALIGNMENT)
         self.blocks.append(blk)
@@ -506,6 +563,16 @@ class MemoryTracker:
         """Fill in default categories and plot coordinates (:func:`~hyperdryrun.trace.blocks.finalize_blocks`);
         returns the blocks in allocation order."""
         return finalize_blocks(self.blocks)
+
+
+def _group_arg_index(func: Any) -> int:
+    """Index of the process-group argument of a c10d or functional-collective op (-1: none)."""
+    if getattr(func, "namespace", None) not in ("c10d", "_c10d_functional"):
+        return -1
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name in _GROUP_ARGS:
+            return i
+    return -1
 
 
 class _Label:

@@ -23,6 +23,8 @@ from hyperdryrun.world.dtensor import untracked_sharding_propagation
 from hyperdryrun.world.fsdp import gradient_accumulation_buffers
 from hyperdryrun.world.kernels import TargetFakeTensorMode, needs_target_kernels, target_kernel_patches
 from hyperdryrun.world.patches import PatchSet
+from hyperdryrun.world.runtime import CudaRuntime
+from hyperdryrun.world.streams import StreamRegistry, fsdp_stream_patches, record_stream_patch
 
 
 class WorldError(RuntimeError):
@@ -58,6 +60,7 @@ class SimulatedWorld:
         mesh_dim_names: tuple[str, ...] | None = None,
         target_device: str = "cuda",
         simulation_device: str | None = None,
+        cuda: CudaRuntime | None = None,
     ) -> None:
         if world_size < 1:
             raise WorldError(f"world_size={world_size} must be >= 1")
@@ -79,6 +82,10 @@ class SimulatedWorld:
         self.target_device = target_device
         self.device = simulation_device or default_simulation_device()
         self.alignment = ALIGNMENT if target_device == "cuda" else 1
+        self.cuda = cuda or CudaRuntime()
+        self.cuda_target = self.cuda.target()
+        self.cuda_settings: dict[str, Any] = {}
+        self.streams: StreamRegistry | None = None
         self.mesh: Any = None
         self.fake_mode: TrackingFakeTensorMode | None = None
         self.tracker: MemoryTracker | None = None
@@ -103,7 +110,17 @@ class SimulatedWorld:
 
             # Built outside fake mode: mesh coordinates are computed with real tensor ops (nonzero/item).
             self.mesh = init_device_mesh(self.device, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
-            stack.enter_context(PatchSet(target_kernel_patches(self.target_device, self.device)))
+            stack.enter_context(
+                PatchSet(target_kernel_patches(self.target_device, self.device, self.cuda_target))
+            )
+            if self.target_device == "cuda":
+                self.cuda_settings = self.cuda.settings()
+                self.streams = StreamRegistry(self.device)
+                streams = [
+                    *fsdp_stream_patches(self.streams),
+                    record_stream_patch(self.streams, lambda: self.tracker),
+                ]
+                stack.enter_context(PatchSet(streams))
             stack.enter_context(PatchSet(untracked_sharding_propagation(lambda: self.tracker)))
             stack.enter_context(PatchSet(gradient_accumulation_buffers(lambda: self.tracker)))
             mode = TrackingFakeTensorMode
@@ -126,6 +143,7 @@ class SimulatedWorld:
             stack.close()
         self.mesh = None
         self.fake_mode = None
+        self.streams = None
 
     @contextlib.contextmanager
     def fake(self) -> Iterator[TrackingFakeTensorMode]:
@@ -138,6 +156,7 @@ class SimulatedWorld:
         """Create the tracker that records this world's fake allocations (start it with ``tracker.start``)."""
         assert self.fake_mode is not None, "enter the world first"
         self.tracker = MemoryTracker(alignment=self.alignment, capture_stacks=capture_stacks)
+        self.tracker.stream_of = self.streams.current if self.streams is not None else None
         self.fake_mode.tracker = self.tracker
         return self.tracker
 
@@ -148,7 +167,7 @@ class SimulatedWorld:
             out.append(
                 f"simulated on fake '{self.device}' tensors for a '{self.target_device}' target: "
                 f"{self.target_device} kernels were not executed; where their allocations differ they are "
-                "modelled (512 B rounding, SDPA backend for an sm90 GPU with cuDNN 9.20, fused dropout and "
+                f"modelled (512 B rounding, SDPA backend for {self.cuda_target.describe()}, fused dropout and "
                 "rms_norm, fp32 norm statistics, optimizer implementation; `hyperdryrun audit-kernels` lists them)"
             )
         out += self.compiled.limitations if self.compiled is not None else []
