@@ -89,7 +89,9 @@ def test_workers_write_the_same_bytes_as_this_process(tmp_path):
     for o in outcomes:
         assert o.error is None and o.trace is None and o.report["metadata"]["rank"] == o.rank
         d = tmp_path / "out" / f"rank_{o.rank}"
-        assert o.paths == [str(d / f"rank_{o.rank}_{n}") for n in ("memory.json", "memory.csv", "segments.csv")]
+        assert o.paths == [
+            str(d / f"rank_{o.rank}_{n}") for n in ("memory.json", "memory.csv", "segments.csv")
+        ]
     many = files(tmp_path / "out")
     assert set(many) == pair(0) | pair(1)
     for rank in (0, 1):
@@ -144,7 +146,8 @@ def test_a_callback_that_raises_stops_every_worker_and_nothing_more_is_written(t
         run_ranks(job(tmp_path), [0, 1], jobs=2, execute=slow_on_rank_1, on_rank_done=stop)
     assert time.monotonic() - started < 60  # rank 1 sleeps 120 s: it was killed, not waited for
     assert multiprocessing.active_children() == []
-    assert set(files(tmp_path / "out")) == pair(0, segments=False)  # written before the callback ran; rank 1 never
+    # rank 0 was written before the callback ran; rank 1 never
+    assert set(files(tmp_path / "out")) == pair(0, segments=False)
 
 
 @pytest.mark.parametrize(
