@@ -280,3 +280,19 @@ def test_a_report_without_its_csv_is_a_one_line_error(rank0_json: Path, tmp_path
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{lone}: no memory-block CSV beside it (lone.csv)" in err
     assert not (tmp_path / "x.pickle").exists()
+
+
+def test_a_cuda_reports_reserved_line_peaks_at_its_reserved_peak(tmp_path):
+    """The page's reserved line is the report's own allocator replay, rebuilt from the JSON and its CSV (streams
+    included): its highest point is the report's peak_reserved_bytes, and device adds what lies outside it."""
+    from hyperdryrun.cli import main
+    from hyperdryrun.viz.data import load_side
+
+    out = tmp_path / "out"
+    assert main(["run", "--model", "llama-tiny", "--world-size", "2", "--seq-len", "64", "--quiet",
+                 "--output-dir", str(out)]) == 0  # fmt: skip
+    side = load_side(out / "rank_0" / "rank_0_memory.json")
+    summary = side.report["summary"]
+    assert max(side.series["reserved"]) == summary["peak_reserved_bytes"]
+    assert max(side.series["device"]) == summary["peak_device_bytes"]
+    assert len(side.series["reserved"]) == side.trace.num_tasks

@@ -163,6 +163,7 @@ def trace_from_csv(rows: Iterable[list[str]], source: str) -> StepTrace:
                     peak_after_alloc=int(row[9]),
                     start_plot=float(row[2]),
                     end_plot=float(row[3]),
+                    stream=int(row[5]),
                 )
             )
         except (ValueError, KeyError, IndexError) as err:

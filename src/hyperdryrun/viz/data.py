@@ -76,7 +76,36 @@ def load_side(path: str | os.PathLike, label: str | None = None, device: str | N
         raise VizInputError(str(err)) from None
     if trace is not None and isinstance(trace, dict):
         raise VizInputError(f"{p.with_suffix('.csv')}: not a memory-block CSV")
-    return Side(label or _default_label(report, p), report, trace, str(p))
+    side = Side(label or _default_label(report, p), report, trace, str(p))
+    side.series = allocator_series(report, trace)
+    return side
+
+
+def allocator_series(report: dict[str, Any], trace: Any | None) -> dict[str, list[int]]:
+    """``reserved`` and ``device`` bytes per task for a CUDA dry run's report (its blocks replayed through the
+    allocator model as the report's own figures were, under the report's capacity): the most at any event of the
+    task. Empty for other pictures (measured, ingested, a CPU target, a JSON without its CSV)."""
+    if trace is None or not isinstance((report.get("metadata") or {}).get("cuda"), dict):
+        return {}
+    from hyperdryrun.report.build import device_memory_of
+
+    if not (trace.metadata or {}).get("cuda"):
+        trace.metadata = {**(trace.metadata or {}), **report["metadata"]}
+    capacity = (report.get("summary") or {}).get("capacity_bytes")
+    device = device_memory_of(trace, capacity / 2**30 if capacity else None)
+    if device is None:
+        return {}
+    reserved = [0] * trace.num_tasks
+    seen = [False] * trace.num_tasks
+    after = [0] * trace.num_tasks  # reserved after the task's last event
+    for task, value in zip(device.replay.tasks, device.replay.reserved):
+        if 0 <= task < len(reserved):
+            reserved[task] = max(reserved[task], value) if seen[task] else value
+            seen[task], after[task] = True, value
+    for i in range(1, len(reserved)):  # a task without allocator events holds what the one before left
+        if not seen[i]:
+            reserved[i] = after[i] = after[i - 1]
+    return {"reserved": reserved, "device": [r + device.outside_bytes for r in reserved]}
 
 
 def _default_label(report: dict[str, Any], path: Path) -> str:
