@@ -86,14 +86,15 @@ class _Computed:
 
 def error_kind(err: BaseException) -> str:
     """:data:`BAD_INPUT` for what the user can fix (the job description, a value rule the step needs, a job this
-    machine cannot measure), else :data:`INTERNAL`."""
+    machine cannot measure, caching-allocator settings), else :data:`INTERNAL`."""
+    from hyperdryrun.allocator.options import AllocatorConfigError
     from hyperdryrun.config import ConfigError
     from hyperdryrun.engine import SimulationError
     from hyperdryrun.measure.step import MeasureError
     from hyperdryrun.world.values import ValueRuleError
 
     cause = err.error if isinstance(err, SimulationError) else err
-    return BAD_INPUT if isinstance(cause, ConfigError | MeasureError | ValueRuleError) else INTERNAL
+    return BAD_INPUT if isinstance(cause, ConfigError | MeasureError | ValueRuleError | AllocatorConfigError) else INTERNAL
 
 
 def _formatted(err: BaseException) -> str:
