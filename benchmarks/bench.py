@@ -93,7 +93,14 @@ def worker(variants: list[str], model: str, layers: int, seq: int, reps: int) ->
     so a burst of load from elsewhere hits all variants of a round alike. Returns per-variant medians and counts."""
     import torch
 
-    from hyperdryrun.engine import dtensor_speedups, micro_batch_step, prepare, step_trace, traced_step
+    from hyperdryrun.engine import (
+        JobPlan,
+        dtensor_speedups,
+        micro_batch_step,
+        prepare,
+        step_trace,
+        traced_step,
+    )
     from hyperdryrun.parallel import build_optimizer, parallelize_llama
     from hyperdryrun.recipe import batch_fn, job_metadata, llama_loss, loss_context, model_fn
     from hyperdryrun.report import blocks_csv, build_report, write_reports
@@ -163,9 +170,13 @@ def worker(variants: list[str], model: str, layers: int, seq: int, reps: int) ->
         t0, c0 = time.perf_counter(), time.process_time()
         model_, optim = prepare(
             world,
-            model_fn(cfg),
-            lambda m, mesh: parallelize_llama(m, mesh, cfg),
-            lambda params: build_optimizer(params, cfg),
+            JobPlan(
+                model_fn(cfg),
+                make_batch,
+                step_fn,
+                parallelize_fn=lambda m, mesh: parallelize_llama(m, mesh, cfg),
+                optimizer_fn=lambda params: build_optimizer(params, cfg),
+            ),
         )
         res["setup_s"], res["setup_cpu"] = time.perf_counter() - t0, time.process_time() - c0
         res["rss_after_setup"] = _max_rss()

@@ -98,12 +98,32 @@ def _reports(root: Path) -> set[Path]:
     return {p.relative_to(root) for p in root.rglob("*") if p.suffix in (".json", ".csv") and p.is_file()}
 
 
+def _how(a: Path, b: Path) -> str:
+    """For two CSVs with the same rows and header: which columns differ, and how (at most 3 value pairs each)."""
+    import csv
+
+    if a.suffix != ".csv":
+        return ""
+    ra, rb = list(csv.reader(a.open())), list(csv.reader(b.open()))
+    if len(ra) != len(rb) or not ra or ra[0] != rb[0]:
+        return f" ({len(ra)} vs {len(rb)} rows)"
+    cols: dict[str, set[tuple[str, str]]] = {}
+    for x, y in zip(ra[1:], rb[1:]):
+        for name, u, v in zip(ra[0], x, y):
+            if u != v:
+                cols.setdefault(name, set()).add((u, v))
+    return "".join(
+        f"\n    column {c}: " + "; ".join(f"{u!r} -> {v!r}" for u, v in sorted(d)[:3])
+        for c, d in cols.items()
+    )
+
+
 def diff(a: Path, b: Path) -> int:
     ra, rb = _reports(a), _reports(b)
     problems = [f"only in {a}: {p}" for p in sorted(ra - rb)] + [f"only in {b}: {p}" for p in sorted(rb - ra)]
     for p in sorted(ra & rb):
         if not filecmp.cmp(a / p, b / p, shallow=False):
-            problems.append(f"differs: {p}")
+            problems.append(f"differs: {p}{_how(a / p, b / p)}")
     for p in sorted(ra & rb):
         if p.suffix == ".json" and json.loads((a / p).read_text()).get("status") == "error":
             problems.append(f"error report: {p}")

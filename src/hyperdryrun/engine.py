@@ -1,13 +1,17 @@
 """Run one training step in the simulated world and capture its memory trace.
 
-``simulate`` is the bring-your-own-model API; ``run_job`` is the built-in Llama recipe on top of it.
+A :class:`JobPlan` says what to build, how to parallelize it and which step to run; :func:`simulate_plan` dry-runs
+it, :func:`hyperdryrun.measure.measure_plan` executes it for real, and both set it up with :func:`prepare`.
+``simulate`` is the bring-your-own-model API; :func:`hyperdryrun.recipe.plan` is the built-in recipe's plan.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,7 +19,7 @@ from torch import nn
 
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import Category
-from hyperdryrun.trace.optimizer_state import describe, no_state_limitation, state_tensors, warm_up
+from hyperdryrun.trace.optimizer_state import describe, no_state_limitation, warm_up
 from hyperdryrun.trace.step import StepTrace
 from hyperdryrun.trace.tensors import resident_tensors
 from hyperdryrun.trace.tracker import MemoryTracker
@@ -28,6 +32,8 @@ OptimizerFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 BatchFn = Callable[[int, torch.device], Any]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 StepFn = Callable[[nn.Module, torch.optim.Optimizer, Iterator[Any]], None]
+InitFn = Callable[[nn.Module], None]
+HeldFn = Callable[[], Iterable[tuple[torch.Tensor, Category, str]]]
 
 
 class SimulationError(RuntimeError):
@@ -92,13 +98,117 @@ def micro_batch_step(
     return step
 
 
+def default_init(model: nn.Module) -> None:
+    """Real values for a materialised model: its ``init_weights()`` where it has one (torchtitan's convention)."""
+    init = getattr(model, "init_weights", None)
+    if callable(init):
+        init()
+
+
+def _check_micro_batches(num_micro_batches: int) -> None:
+    if num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1")
+
+
 def resolve_step(loss_fn: LossFn | None, step_fn: StepFn | None, num_micro_batches: int) -> StepFn:
     """The step to run: the user's ``step_fn``, or :func:`micro_batch_step` over ``loss_fn`` (exactly one given)."""
     if (loss_fn is None) == (step_fn is None):
         raise ValueError("give exactly one of loss_fn or step_fn")
-    if num_micro_batches < 1:
-        raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1")
+    _check_micro_batches(num_micro_batches)
     return step_fn or micro_batch_step(loss_fn, num_micro_batches)
+
+
+@dataclass
+class JobPlan:
+    """One rank's training step: what to build, how to parallelize it, which step to run and what its report says.
+    The dry run (:func:`simulate_plan`) and the measured run (``hyperdryrun.measure.measure_plan``) both run it."""
+
+    model_fn: ModelFn
+    """Builds the model; called under ``torch.device("meta")``, so it allocates nothing."""
+    batch_fn: BatchFn
+    """``batch_fn(i, device)``: micro batch ``i``."""
+    step_fn: StepFn
+    """``step_fn(model, optimizer, batches)``: the whole step, optimizer step and ``zero_grad`` included."""
+    parallelize_fn: ParallelizeFn | None = None
+    """``parallelize_fn(model, mesh)``: the parallelisms, applied on meta with the world's mesh."""
+    optimizer_fn: OptimizerFn = default_optimizer
+    init_fn: InitFn | None = None
+    """Real values for the materialised parameters and buffers, in a measured run (default: :func:`default_init`)."""
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int | None = None
+    mesh_shape: tuple[int, ...] | None = None
+    mesh_dim_names: tuple[str, ...] | None = None
+    target_device: str = "cuda"
+    """The device whose memory a dry run estimates (a measured run uses the device it runs on)."""
+    num_micro_batches: int = 1
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """The job's own report metadata, after the world's (``world_size``, ``mesh_shape``, ``optimizer``...)."""
+    limitations: list[str] = field(default_factory=list)
+    """What the dry run of this job approximates, stated after the world's (a measured run states its own)."""
+    cuda: CudaRuntime | None = None
+    """The GPU, caching-allocator settings and runtime costs of a CUDA target (None: the defaults)."""
+    held_fn: HeldFn | None = None
+    """Storages the step function keeps from one step to the next, as ``(tensor, category, module FQN)`` (e.g. a
+    pipeline schedule's receive buffers): a measured run, whose warm-up step made them, seeds them as residents."""
+
+    def __post_init__(self) -> None:
+        _check_micro_batches(self.num_micro_batches)
+
+    def world(self, target_device: str | None = None, simulation_device: str | None = None) -> SimulatedWorld:
+        """The simulated world of this plan's rank (not entered yet)."""
+        return SimulatedWorld(
+            self.world_size,
+            self.rank,
+            self.local_rank,
+            self.mesh_shape,
+            self.mesh_dim_names,
+            target_device or self.target_device,
+            simulation_device,
+            cuda=self.cuda,
+        )
+
+
+def job_plan(
+    model_fn: ModelFn,
+    batch_fn: BatchFn,
+    *,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    parallelize_fn: ParallelizeFn | None = None,
+    optimizer_fn: OptimizerFn | None = None,
+    init_fn: InitFn | None = None,
+    world_size: int = 1,
+    rank: int = 0,
+    local_rank: int | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
+    target_device: str = "cuda",
+    num_micro_batches: int = 1,
+    metadata: dict[str, Any] | None = None,
+    held_fn: HeldFn | None = None,
+    cuda: CudaRuntime | None = None,
+) -> JobPlan:
+    """The plan of :func:`simulate`'s and ``measure``'s arguments: the step is ``step_fn``, or
+    :func:`micro_batch_step` over ``loss_fn``; the optimizer ``optimizer_fn`` or :func:`default_optimizer`."""
+    return JobPlan(
+        model_fn,
+        batch_fn,
+        resolve_step(loss_fn, step_fn, num_micro_batches),
+        parallelize_fn=parallelize_fn,
+        optimizer_fn=optimizer_fn or default_optimizer,
+        init_fn=init_fn,
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        mesh_shape=mesh_shape,
+        mesh_dim_names=mesh_dim_names,
+        target_device=target_device,
+        num_micro_batches=num_micro_batches,
+        metadata=dict(metadata or {}),
+        held_fn=held_fn,
+        cuda=cuda,
+    )
 
 
 def _finish_fsdp_lazy_init(model: nn.Module) -> None:
@@ -147,40 +257,60 @@ def simulate(
     ``loss_fn(model, batch)`` returns the loss, or ``step_fn(model, optimizer, batches)`` runs the whole step.
     ``cuda``: the GPU, caching-allocator settings and runtime costs of a CUDA target (``metadata["cuda"]``).
     """
-    step_fn = resolve_step(loss_fn, step_fn, num_micro_batches)
-    optimizer_fn = optimizer_fn or default_optimizer
+    plan = job_plan(
+        model_fn,
+        batch_fn,
+        loss_fn=loss_fn,
+        step_fn=step_fn,
+        parallelize_fn=parallelize_fn,
+        optimizer_fn=optimizer_fn,
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        mesh_shape=mesh_shape,
+        mesh_dim_names=mesh_dim_names,
+        target_device=target_device,
+        num_micro_batches=num_micro_batches,
+        metadata=metadata,
+        cuda=cuda,
+    )
+    return simulate_plan(plan, capture_stacks=capture_stacks)
+
+
+def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
+    """Dry-run ``plan``: set up on fake tensors (:func:`prepare`), trace one step, return it with its metadata and
+    limitations. A failure after the world is made is a :class:`SimulationError` naming the stage."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    world = SimulatedWorld(world_size, rank, local_rank, mesh_shape, mesh_dim_names, target_device, cuda=cuda)
+    world = plan.world()
     stages = ["world"]
     try:
         with world, PatchSet(dtensor_speedups()):
-            model, optimizer = prepare(world, model_fn, parallelize_fn, optimizer_fn, stages)
+            model, optimizer = prepare(world, plan, stages)
             with world.fake():
                 timings["setup"] = time.perf_counter() - t0
                 stages.append("step")
                 t1 = time.perf_counter()
                 tracker, initial = traced_step(
-                    world, model, optimizer, step_fn, batch_fn, num_micro_batches, capture_stacks
+                    world,
+                    model,
+                    optimizer,
+                    plan.step_fn,
+                    plan.batch_fn,
+                    plan.num_micro_batches,
+                    capture_stacks,
                 )
                 timings["step"] = time.perf_counter() - t1
                 stages.append("trace")
                 trace = step_trace(tracker, initial)
-                trace.metadata = {
-                    "world_size": world_size,
-                    "rank": rank,
-                    "local_rank": world.local_rank,
-                    "target_device": target_device,
-                    "simulation_device": world.device,
-                    "mesh_shape": list(world.mesh_shape),
-                    "mesh_dim_names": list(world.mesh_dim_names),
-                    "num_micro_batches": num_micro_batches,
-                    "optimizer": describe(optimizer),
-                    **(metadata or {}),
-                }
+                trace.metadata = {**run_metadata(world, plan, optimizer), **plan.metadata}
                 if world.streams is not None:
                     trace.metadata["cuda"] = observed(world.cuda_settings, tracker, world.streams.names)
-                trace.limitations = world.limitations + no_state_limitation(optimizer, model)
+                trace.limitations = [
+                    *world.limitations,
+                    *no_state_limitation(optimizer, model),
+                    *plan.limitations,
+                ]
                 trace.timings = timings
                 del model, optimizer
     except SimulationError:
@@ -190,31 +320,61 @@ def simulate(
     return trace
 
 
+def run_metadata(world: SimulatedWorld, plan: JobPlan, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What every report says about the run itself: the rank, its world and mesh, the devices, the optimizer."""
+    return {
+        "world_size": world.world_size,
+        "rank": world.rank,
+        "local_rank": world.local_rank,
+        "target_device": world.target_device,
+        "simulation_device": world.device,
+        "mesh_shape": list(world.mesh_shape),
+        "mesh_dim_names": list(world.mesh_dim_names),
+        "num_micro_batches": plan.num_micro_batches,
+        "optimizer": describe(optimizer),
+    }
+
+
 def prepare(
-    world: SimulatedWorld,
-    model_fn: ModelFn,
-    parallelize_fn: ParallelizeFn | None,
-    optimizer_fn: OptimizerFn,
-    stages: list[str] | None = None,
+    world: SimulatedWorld, plan: JobPlan, stages: list[str] | None = None, *, real: bool = False
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Setup in an entered world: the model on meta, parallelised, materialised as fake tensors in the steady state
-    of step 2 (FSDP lazy init done, optimizer states allocated). ``stages`` gets the name of each stage as it starts,
-    so a failure can say where it happened."""
+    """``plan``'s model and optimizer in the steady state of step 2, in an entered world: built on meta,
+    parallelized with the world's mesh, materialised on the world's device. Fake tensors (a dry run): FSDP2's lazy
+    init finished and the optimizer states created by one step on zero gradients. ``real`` (a measured run): real
+    values from ``plan.init_fn``, then one untracked warm-up step. ``stages`` gets each stage's name as it starts."""
     stages = stages if stages is not None else []
     stages.append("model")
     with torch.device("meta"):
-        model = model_fn()
+        model = plan.model_fn()
     stages.append("parallelize")
-    if parallelize_fn is not None:
-        model = parallelize_fn(model, world.mesh) or model
-    with world.fake():
+    if plan.parallelize_fn is not None:
+        model = plan.parallelize_fn(model, world.mesh) or model
+    with contextlib.nullcontext() if real else world.fake():
         stages.append("materialize")
         model.to_empty(device=world.device)
-        _finish_fsdp_lazy_init(model)
+        if real:
+            with torch.no_grad():
+                (plan.init_fn or default_init)(model)
+        else:
+            _finish_fsdp_lazy_init(model)
         stages.append("optimizer")
-        optimizer = optimizer_fn([p for p in model.parameters() if p.requires_grad])
-        _materialize_optimizer_state(model, optimizer)
+        optimizer = plan.optimizer_fn([p for p in model.parameters() if p.requires_grad])
+        if real:
+            stages.append("warm-up")
+            plan.step_fn(model, optimizer, _batches(plan.batch_fn, plan.num_micro_batches, world.device))
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+        else:
+            _materialize_optimizer_state(model, optimizer)
     return model, optimizer
+
+
+def _batches(batch_fn: BatchFn, num_micro_batches: int, device: str) -> Iterator[Any]:
+    dev = torch.device(device)
+    for i in range(num_micro_batches):
+        batch = batch_fn(i, dev)
+        yield batch
+        del batch
 
 
 def traced_step(
@@ -245,11 +405,7 @@ def traced_step(
         step_fn(model, optimizer, batches())
     finally:
         tracker.stop()
-    for p in model.parameters():
-        if p.grad is not None:
-            tracker.mark(p.grad, Category.GRADIENT)
-    for _, v in state_tensors(optimizer, model):
-        tracker.mark(v, Category.OPTSTATE)
+    tracker.roles.step_done(model, optimizer)
     return tracker, initial
 
 

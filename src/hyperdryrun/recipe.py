@@ -1,22 +1,26 @@
 """The built-in recipe: a registered decoder family (dense Llama or MoE) trained with torch-native parallelisms —
 FSDP2/HSDP, TP with sequence and loss parallel, pipeline (PP), context (CP) and expert (EP, expert TP) parallel —
 for the rank that the job config names. The model family's train spec (:mod:`hyperdryrun.parallel.train_spec`)
-says how its model is built and parallelized."""
+says how its model is built and parallelized; :func:`plan` is the job, which the dry run (:func:`run_job`) and
+``hyperdryrun measure`` both run."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from hyperdryrun.config import JobConfig
-from hyperdryrun.engine import StepTrace, micro_batch_step, simulate
+from hyperdryrun.engine import JobPlan, StepTrace, micro_batch_step, simulate_plan
 from hyperdryrun.models.llama import cross_entropy_loss
 from hyperdryrun.parallel.context import ContextParallelStep
 from hyperdryrun.parallel.fsdp import DTYPES, fsdp_enabled
 from hyperdryrun.parallel.optimizer import build_optimizer
-from hyperdryrun.parallel.pipeline import DecoderPipeline
+from hyperdryrun.parallel.pipeline import DecoderPipeline, PipelineStages
 from hyperdryrun.parallel.train_spec import train_spec
+from hyperdryrun.trace.blocks import Category
 from hyperdryrun.version import __version__
 from hyperdryrun.world.values import use_rules
 
@@ -166,8 +170,9 @@ def pipeline(cfg: JobConfig) -> DecoderPipeline:
     )
 
 
-def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
-    """Dry-run the built-in recipe for the rank that ``cfg`` names."""
+def plan(cfg: JobConfig) -> JobPlan:
+    """The built-in job for the rank that ``cfg`` names: the one place that picks its step (pipeline schedule,
+    context-parallel ring or plain micro batches) and says what it approximates."""
     dims = cfg.dims
     limitations = []
     if not fsdp_enabled(cfg) and cfg.training.param_dtype not in (None, cfg.training.dtype):
@@ -175,9 +180,11 @@ def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
             "mixed precision needs FSDP2 in this recipe; parameters were used in training.dtype"
         )
     metadata = job_metadata(cfg)
+    held_fn = None
     if cfg.parallel.pp > 1:
         pipe = pipeline(cfg)
         step_fn, parallelize_fn = pipe.step, pipe.parallelize
+        held_fn = lambda: pipeline_held_buffers(pipe.schedule)  # noqa: E731
         limitations.append(
             "pipeline: only this rank's stages were run; point-to-point sends and receives complete at once on the "
             "fake process group, so a send buffer is freed when the schedule drops it (on CUDA, NCCL's stream may "
@@ -199,15 +206,15 @@ def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
     else:
         step_fn = micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg))
         parallelize_fn = parallelize(cfg)
-    step_fn = with_value_rules(cfg, step_fn)
     if cfg.model.is_moe:
         limitations.extend(moe_limitations(cfg))
-    trace = simulate(
+    return JobPlan(
         model_fn(cfg),
         batch_fn(cfg),
-        step_fn=step_fn,
+        with_value_rules(cfg, step_fn),
         parallelize_fn=parallelize_fn,
         optimizer_fn=lambda params: build_optimizer(params, cfg),
+        init_fn=init_fn(cfg),
         world_size=cfg.world.world_size,
         rank=cfg.world.rank,
         local_rank=cfg.local_rank,
@@ -215,12 +222,44 @@ def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
         mesh_dim_names=dims.mesh_dim_names,
         target_device=cfg.target_device,
         num_micro_batches=cfg.training.num_micro_batches,
-        capture_stacks=capture_stacks,
         metadata=metadata,
         cuda=cfg.cuda,
+        limitations=limitations,
+        held_fn=held_fn,
     )
-    trace.limitations.extend(limitations)
-    return trace
+
+
+def run_job(cfg: JobConfig, capture_stacks: bool = True) -> StepTrace:
+    """Dry-run the built-in recipe for the rank that ``cfg`` names."""
+    return simulate_plan(plan(cfg), capture_stacks=capture_stacks)
+
+
+def init_fn(cfg: JobConfig) -> Callable[[torch.nn.Module], None]:
+    """Real values for the job's model by its family's initialiser (a measured run), stage by stage."""
+    family = cfg.model.family
+    return lambda model: init_stages(model, family.init_weights)
+
+
+def init_stages(model: torch.nn.Module, init_weights: Callable[[torch.nn.Module], None]) -> None:
+    """Real values by a model family's initialiser, on each of a rank's pipeline stages
+    (:class:`~hyperdryrun.parallel.pipeline.PipelineStages`) or on the whole model."""
+    for part in model.values() if isinstance(model, PipelineStages) else [model]:
+        init_weights(part)
+
+
+def pipeline_held_buffers(schedule: Any) -> Iterator[tuple[torch.Tensor, Category, str]]:
+    """The p2p receive buffers of a built pipeline schedule's stages (torch 2.13 ``PipelineStage`` allocates one
+    per micro batch for activations and for gradients at the first step and keeps them): input data, ``Other``,
+    as the dry run labels them."""
+    if schedule is None:
+        return
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        for infos in (stage.args_recv_info, stage.grad_recv_info):
+            for recv in infos.values():
+                for info in recv:
+                    if not getattr(info, "is_root_arg", True) and info.buffer is not None:
+                        yield info.buffer, Category.OTHER, ""
 
 
 def moe_limitations(cfg: JobConfig) -> list[str]:

@@ -94,7 +94,11 @@ def error_kind(err: BaseException) -> str:
     from hyperdryrun.world.values import ValueRuleError
 
     cause = err.error if isinstance(err, SimulationError) else err
-    return BAD_INPUT if isinstance(cause, ConfigError | MeasureError | ValueRuleError | AllocatorConfigError) else INTERNAL
+    return (
+        BAD_INPUT
+        if isinstance(cause, ConfigError | MeasureError | ValueRuleError | AllocatorConfigError)
+        else INTERNAL
+    )
 
 
 def _formatted(err: BaseException) -> str:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,10 +14,12 @@ import torch.distributed as dist
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
+import hyperdryrun
 from hyperdryrun.cli import OneLineParser
 from hyperdryrun.commands.measure import register
 from hyperdryrun.config import build_config
 from hyperdryrun.engine import SimulationError, micro_batch_step
+from hyperdryrun.ingest.profiler import _call_name
 from hyperdryrun.measure import measure, measure_job
 from hyperdryrun.measure.step import FAKE_PG_LIMITATION, MeasureError
 from hyperdryrun.recipe import batch_fn, llama_loss, model_fn
@@ -227,3 +232,29 @@ def test_pipeline_rank_seeds_its_receive_buffers_and_restores_the_schedule_patch
     step = [b for b in trace.blocks if b.phase is not Phase.INITIALIZATION]
     assert {b.micro_batch for b in step if b.phase is Phase.BACKWARD} == {0, 1}
     assert sum(b.size for b in step if b.category is Category.OTHER) == 4 * 32 * 8 + 2 * 64 * 8
+
+
+@pytest.mark.parametrize(
+    ("profiler_name", "label"),
+    [
+        ("hyperdryrun/engine.py(81): step", "hyperdryrun.engine:step"),
+        ("hyperdryrun/models/llama.py(71): forward", "hyperdryrun.models.llama:forward"),
+        (
+            f"{Path(hyperdryrun.__file__).parent}/measure/__init__.py(3): <module>",
+            "hyperdryrun.measure:<module>",
+        ),
+        ("torch/_tensor.py(626): backward", "torch/_tensor.py(626): backward"),
+        ("<built-in method add of Tensor object at 0x7f3a>", "<built-in method add>"),
+    ],
+)
+def test_allocation_sites_in_hyperdryrun_code_are_named_without_line_numbers(profiler_name, label):
+    # An edit that moves a line of HyperDryRun's own code must not rename an op in a measured report; other
+    # code keeps the profiler's file(line) name.
+    assert _call_name(SimpleNamespace(name=profiler_name)) == label
+
+
+def test_the_step_functions_own_allocations_are_labelled_by_module_and_function(tiny):
+    _, trace = tiny
+    ops = {b.op for b in trace.blocks}
+    assert "hyperdryrun.engine:step" in ops
+    assert not [op for op in ops if re.search(r"hyperdryrun/\S+\.py\(\d+\)", op)]

@@ -232,13 +232,34 @@ def events_from_profiler(
 
 
 def _call_name(parent: Any) -> str:
-    """Name of a non-aten allocation site (a Python call), stable across runs (no object addresses)."""
+    """Name of a non-aten allocation site (a Python call), stable across runs (no object addresses) and, for
+    HyperDryRun's own code, across edits of it (``hyperdryrun.engine:step``, no line number)."""
     if parent is None:
         return "<unknown>"
     name = parent.name
     if "method resize_ of torch.storage.UntypedStorage" in name:
         return RESIZE_OP
-    return _ADDRESS.sub("", name)
+    return _own_call_name(_ADDRESS.sub("", name))
+
+
+_PY_CALL = re.compile(r"(?P<file>.+)\((?P<line>\d+)\): (?P<function>.+)")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
+@lru_cache(maxsize=4096)
+def _own_call_name(name: str) -> str:
+    """A profiler Python-call name (``file(line): function``) as ``module:function`` when the file is part of this
+    package, so a report's op names do not change with the line numbers of its code; other names unchanged."""
+    call = _PY_CALL.fullmatch(name)
+    if call is None:
+        return name
+    path = os.path.realpath(_absolute(call["file"]))
+    if not path.startswith(_PACKAGE_DIR + os.sep) or not path.endswith(".py"):
+        return name
+    parts = os.path.relpath(path[: -len(".py")], os.path.dirname(_PACKAGE_DIR)).split(os.sep)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return f"{'.'.join(parts)}:{call['function']}"
 
 
 def _runs_python(e: Any, kinds: Any) -> bool:

@@ -1,5 +1,5 @@
 """Ground truth: the dry run's job executed for real, its allocations recorded by torch.profiler."""
 
-from hyperdryrun.measure.step import init_llama, measure, measure_job
+from hyperdryrun.measure.step import init_llama, measure, measure_job, measure_plan
 
-__all__ = ["init_llama", "measure", "measure_job"]
+__all__ = ["init_llama", "measure", "measure_job", "measure_plan"]

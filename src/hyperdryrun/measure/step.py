@@ -1,40 +1,44 @@
 """Run the same training step for real and record its allocations with torch.profiler.
 
-The job is the dry run's (same model, parallelisms, optimizer, batches and step function); tensors are real, on
-the CPU (or any real device), so every byte is a real allocation. World size > 1 runs the chosen rank in this
-process with real tensors and the fake process group: collectives allocate their outputs but move no data.
+The job is the dry run's plan (:class:`~hyperdryrun.engine.JobPlan`: same model, parallelisms, optimizer, batches
+and step function, set up by the same :func:`~hyperdryrun.engine.prepare`); tensors are real, on the CPU (or any
+real device), so every byte is a real allocation. World size > 1 runs the chosen rank in this process with real
+tensors and the fake process group: collectives allocate their outputs but move no data.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from hyperdryrun import recipe
 from hyperdryrun.engine import (
     BatchFn,
+    HeldFn,
+    InitFn,
+    JobPlan,
     LossFn,
     ModelFn,
     OptimizerFn,
     ParallelizeFn,
     SimulationError,
     StepFn,
-    default_optimizer,
-    micro_batch_step,
-    resolve_step,
+    job_plan,
+    prepare,
+    run_metadata,
 )
 from hyperdryrun.ingest.events import trace_from_events
 from hyperdryrun.ingest.profiler import events_from_profiler, mark, mark_micro_batch, resident_events
 from hyperdryrun.trace.blocks import STEP_PHASES, Category, Phase, live_bytes_by_task
+from hyperdryrun.trace.roles import RoleMarker
 from hyperdryrun.trace.step import ModuleStats, StepTrace
-from hyperdryrun.trace.tensors import clean_fqn, local_tensor, resident_tensors, unique_storage_bytes
-from hyperdryrun.world import SimulatedWorld
+from hyperdryrun.trace.tensors import clean_fqn, resident_tensors, unique_storage_bytes
 
 FAKE_PG_LIMITATION = (
     "measured with real tensors for one rank and the fake process group: collectives allocate their outputs "
@@ -86,7 +90,7 @@ def measure(
     step_fn: StepFn | None = None,
     parallelize_fn: ParallelizeFn | None = None,
     optimizer_fn: OptimizerFn | None = None,
-    init_fn: Any = None,
+    init_fn: InitFn | None = None,
     world_size: int = 1,
     rank: int = 0,
     local_rank: int | None = None,
@@ -96,7 +100,7 @@ def measure(
     num_micro_batches: int = 1,
     capture_stacks: bool = True,
     metadata: dict[str, Any] | None = None,
-    held_fn: Callable[[], Iterable[tuple[torch.Tensor, Category, str]]] | None = None,
+    held_fn: HeldFn | None = None,
 ) -> StepTrace:
     """Execute one training step for real, after one untracked warm-up step, and return its measured trace.
 
@@ -105,62 +109,48 @@ def measure(
     storages that the step function keeps from one step to the next, as ``(tensor, category, module)`` (e.g. a
     pipeline schedule's receive buffers): alive when profiling starts, they are seeded like the parameters.
     """
-    step_fn = resolve_step(loss_fn, step_fn, num_micro_batches)
-    optimizer_fn = optimizer_fn or default_optimizer
-    timings: dict[str, float] = {}
-    stage = "world"
-    t0 = time.perf_counter()
-    world = SimulatedWorld(
-        world_size,
-        rank,
-        local_rank,
-        mesh_shape,
-        mesh_dim_names,
+    p = job_plan(
+        model_fn,
+        batch_fn,
+        loss_fn=loss_fn,
+        step_fn=step_fn,
+        parallelize_fn=parallelize_fn,
+        optimizer_fn=optimizer_fn,
+        init_fn=init_fn,
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        mesh_shape=mesh_shape,
+        mesh_dim_names=mesh_dim_names,
         target_device=device,
-        simulation_device=device,
+        num_micro_batches=num_micro_batches,
+        metadata=metadata,
+        held_fn=held_fn,
     )
+    return measure_plan(p, device=device, capture_stacks=capture_stacks)
+
+
+def measure_plan(plan: JobPlan, device: str = "cpu", capture_stacks: bool = True) -> StepTrace:
+    """Execute ``plan`` for real on ``device``: set up with real values and a warm-up step (:func:`prepare`), then
+    one step under torch.profiler; its allocations as a trace in the dry run's schema (``metadata.mode`` is
+    ``"measured"``). A failure is a :class:`SimulationError` naming the stage."""
+    timings: dict[str, float] = {}
+    stages = ["world"]
+    t0 = time.perf_counter()
     try:
+        world = plan.world(target_device=device, simulation_device=device)
         with world:
-            stage = "model"
-            with torch.device("meta"):
-                model = model_fn()
-            stage = "parallelize"
-            if parallelize_fn is not None:
-                model = parallelize_fn(model, world.mesh) or model
-            stage = "materialize"
-            model.to_empty(device=device)
-            with torch.no_grad():
-                (init_fn or _default_init)(model)
-            stage = "optimizer"
-            optimizer = optimizer_fn([p for p in model.parameters() if p.requires_grad])
-            dev = torch.device(device)
-
-            def batches(marked: bool) -> Iterator[Any]:
-                for i in range(num_micro_batches):
-                    if marked:
-                        mark_micro_batch(i)
-                    batch = batch_fn(i, dev)
-                    if marked:  # the dry run labels the batch "Other" (it is input, not an activation)
-                        for leaf in tree_leaves(batch):
-                            if isinstance(leaf, torch.Tensor):
-                                mark(leaf, Category.OTHER)
-                    yield batch
-                    del batch
-
-            stage = "warm-up"
-            step_fn(model, optimizer, batches(False))
-            optimizer.zero_grad(set_to_none=True)
-            gc.collect()
+            model, optimizer = prepare(world, plan, stages, real=True)
             timings["setup"] = time.perf_counter() - t0
-            stage = "step"
+            stages.append("step")
             names = {id(m): clean_fqn(n) for n, m in model.named_modules()}
-            held = list(held_fn()) if held_fn is not None else []
+            held = list(plan.held_fn()) if plan.held_fn is not None else []
             resident = resident_events([*resident_tensors(model, optimizer), *held], device=device)
             del held
             t1 = time.perf_counter()
-            prof = _profile_step(step_fn, model, optimizer, batches(True))
+            prof = _profile_step(plan.step_fn, model, optimizer, _marked_batches(plan, torch.device(device)))
             timings["step"] = time.perf_counter() - t1
-            stage = "trace"
+            stages.append("trace")
             events = events_from_profiler(prof, module_names=names, device=device)
             if not capture_stacks:
                 events = [dataclasses.replace(e, frames=()) for e in events]
@@ -170,16 +160,8 @@ def measure(
                 events,
                 resident=resident,
                 metadata={
-                    "world_size": world_size,
-                    "rank": rank,
-                    "local_rank": world.local_rank,
-                    "target_device": device,
-                    "simulation_device": device,
-                    "mesh_shape": list(world.mesh_shape),
-                    "mesh_dim_names": list(world.mesh_dim_names),
-                    "num_micro_batches": num_micro_batches,
-                    "optimizer": type(optimizer).__name__,
-                    **(metadata or {}),
+                    **run_metadata(world, plan, optimizer),
+                    **plan.metadata,
                     "mode": "measured",
                     "kernel_scratch": {
                         "peak_bytes_excluding": core.peak,
@@ -190,8 +172,9 @@ def measure(
                         "note": KERNEL_SCRATCH_NOTE,
                     },
                 },
+                # The recipe's plan.limitations describe its dry run; a measured report states how it was measured.
                 limitations=[PROFILER_LIMITATION.format(device=device)]
-                + ([FAKE_PG_LIMITATION] if world_size > 1 else []),
+                + ([FAKE_PG_LIMITATION] if plan.world_size > 1 else []),
                 alignment=1,
                 device=device,
                 timings=timings,
@@ -199,8 +182,21 @@ def measure(
             trace.modules = module_stats(model, trace)
             del model, optimizer
     except Exception as err:
-        raise SimulationError(stage, err) from err
+        raise SimulationError(stages[-1], err) from err
     return trace
+
+
+def _marked_batches(plan: JobPlan, device: torch.device) -> Iterator[Any]:
+    """The plan's micro batches, each announced to the profiler and its tensors marked as input data ("Other",
+    as the dry run labels them: input, not activations)."""
+    for i in range(plan.num_micro_batches):
+        mark_micro_batch(i)
+        batch = plan.batch_fn(i, device)
+        for leaf in tree_leaves(batch):
+            if isinstance(leaf, torch.Tensor):
+                mark(leaf, Category.OTHER)
+        yield batch
+        del batch
 
 
 def module_stats(model: nn.Module, trace: StepTrace) -> dict[str, ModuleStats]:
@@ -239,133 +235,40 @@ def module_stats(model: nn.Module, trace: StepTrace) -> dict[str, ModuleStats]:
     return stats
 
 
-def _default_init(model: nn.Module) -> None:
-    init = getattr(model, "init_weights", None)
-    if callable(init):
-        init()
-
-
 def _profile_step(step_fn: StepFn, model: nn.Module, optimizer: torch.optim.Optimizer, batches) -> Any:
-    """The step under torch.profiler, with markers for the roles of parameters, gradients and states."""
-    from torch.nn.modules.module import (
-        register_module_forward_hook,
-        register_module_forward_pre_hook,
-    )
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    """The step under torch.profiler, with markers for the roles of parameters, gradients and states
+    (:class:`~hyperdryrun.trace.roles.RoleMarker`, the tracker's rules)."""
     from torch.profiler import ProfilerActivity, profile
 
-    def note_module(mod: nn.Module, *_: Any) -> None:
-        for p in mod._parameters.values():
-            if p is not None:
-                mark(local_tensor(p), Category.PARAMETER)
-        for b in mod._buffers.values():
-            if b is not None:
-                mark(b, Category.BUFFER)
-
-    def note_grads(opt: torch.optim.Optimizer, *_: Any) -> None:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    mark(local_tensor(p.grad), Category.GRADIENT)
-
-    def note_states(opt: torch.optim.Optimizer, *_: Any) -> None:
-        for state in opt.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    mark(local_tensor(v), Category.OPTSTATE)
-
-    handles = [
-        register_module_forward_pre_hook(note_module),
-        register_module_forward_hook(note_module),
-        register_optimizer_step_pre_hook(note_grads),
-        register_optimizer_step_post_hook(note_states),
-    ]
-    try:
-        with profile(
+    # Without the dry run's marking on accumulation: measured reports have counted FSDP2's unsharded gradients,
+    # which its reduce-scatter frees before the optimizer runs, as backward temporaries; counting them as gradients
+    # (as the dry run does) is a change to every measured FSDP report, to be made on its own.
+    roles = RoleMarker(mark, gradients_on_accumulation=False)
+    with (
+        roles.hooked(),
+        profile(
             activities=[ProfilerActivity.CPU],
             profile_memory=True,
             record_shapes=True,
             with_stack=True,  # also what names modules (nn.Module calls are Python-tracer events)
-        ) as prof:
-            step_fn(model, optimizer, batches)
-    finally:
-        for h in handles:
-            h.remove()
+        ) as prof,
+    ):
+        step_fn(model, optimizer, batches)
+        roles.step_done(model, optimizer)
     return prof
-
-
-def init_stages(model: nn.Module, init_weights: Callable[[nn.Module], None]) -> None:
-    """Real values by a model family's initialiser, on each of a rank's pipeline stages
-    (:class:`~hyperdryrun.parallel.pipeline.PipelineStages`) or on the whole model."""
-    from hyperdryrun.parallel.pipeline import PipelineStages
-
-    for part in model.values() if isinstance(model, PipelineStages) else [model]:
-        init_weights(part)
 
 
 def init_llama(model: nn.Module) -> None:
     """Real values for the built-in Llama (the llama family's initialiser), stage by stage."""
     from hyperdryrun.models.registry import LLAMA
 
-    init_stages(model, LLAMA.init_weights)
+    recipe.init_stages(model, LLAMA.init_weights)
 
 
 def measure_job(cfg: Any, capture_stacks: bool = True, device: str = "cpu") -> StepTrace:
-    """Measure the built-in recipe for the rank that ``cfg`` names (the job :func:`hyperdryrun.recipe.run_job`
+    """Measure the built-in recipe for the rank that ``cfg`` names (the plan :func:`hyperdryrun.recipe.run_job`
     dry-runs), with real tensors on ``device``."""
-    from hyperdryrun.parallel.optimizer import build_optimizer
-    from hyperdryrun.recipe import (
-        batch_fn,
-        job_metadata,
-        llama_loss,
-        loss_context,
-        model_fn,
-        parallelize,
-        pipeline,
-    )
-
     why = unsupported(cfg)
     if why:
         raise MeasureError(why)
-    dims, family = cfg.dims, cfg.model.family
-    held_fn = None
-    if cfg.parallel.pp > 1:
-        pipe = pipeline(cfg)
-        step_fn, parallelize_fn = pipe.step, pipe.parallelize
-        held_fn = lambda: pipeline_held_buffers(pipe.schedule)  # noqa: E731
-    else:
-        step_fn = micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg))
-        parallelize_fn = parallelize(cfg)
-    return measure(
-        model_fn(cfg),
-        batch_fn(cfg),
-        step_fn=step_fn,
-        parallelize_fn=parallelize_fn,
-        optimizer_fn=lambda params: build_optimizer(params, cfg),
-        init_fn=lambda model: init_stages(model, family.init_weights),
-        world_size=cfg.world.world_size,
-        rank=cfg.world.rank,
-        local_rank=cfg.local_rank,
-        mesh_shape=dims.mesh_shape,
-        mesh_dim_names=dims.mesh_dim_names,
-        device=device,
-        num_micro_batches=cfg.training.num_micro_batches,
-        capture_stacks=capture_stacks,
-        metadata=job_metadata(cfg),
-        held_fn=held_fn,
-    )
-
-
-def pipeline_held_buffers(schedule: Any) -> Iterator[tuple[torch.Tensor, Category, str]]:
-    """The p2p receive buffers of a built pipeline schedule's stages (torch 2.13 ``PipelineStage`` allocates one
-    per micro batch for activations and for gradients at the first step and keeps them): input data, ``Other``,
-    as the dry run labels them."""
-    if schedule is None:
-        return
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    for stage in stages:
-        for infos in (stage.args_recv_info, stage.grad_recv_info):
-            for recv in infos.values():
-                for info in recv:
-                    if not getattr(info, "is_root_arg", True) and info.buffer is not None:
-                        yield info.buffer, Category.OTHER, ""
+    return measure_plan(recipe.plan(cfg), device=device, capture_stacks=capture_stacks)

@@ -35,15 +35,10 @@ from hyperdryrun.trace.blocks import (
     stronger,
 )
 from hyperdryrun.trace.modules import ModuleHooks
-from hyperdryrun.trace.optimizer_state import state_tensors
+from hyperdryrun.trace.roles import RoleMarker
 from hyperdryrun.trace.stacks import StackTable
 from hyperdryrun.trace.step import ModuleStats
-from hyperdryrun.trace.tensors import (
-    clean_fqn,
-    iter_tensors,
-    local_tensor,
-    unique_storage_bytes,
-)
+from hyperdryrun.trace.tensors import clean_fqn, iter_tensors, local_tensor, unique_storage_bytes
 
 _aten = torch.ops.aten
 METADATA_OPS = {
@@ -123,7 +118,7 @@ class MemoryTracker:
         self._mod_stack: list[list] = []  # [stats, is_bw, running_max]
         self.modules: dict[str, ModuleStats] = {}
         self._fqn: dict[int, str] = {}
-        self._hooked_params: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.roles = RoleMarker(self.mark)
         self._handles: list[Any] = []
         self._modtracker: ModuleHooks | None = None
         self._patches: PatchSet | None = None
@@ -173,6 +168,7 @@ class MemoryTracker:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.roles.remove()
 
     def _resize_patch(self) -> Patch:
         orig = torch.UntypedStorage.resize_
@@ -456,22 +452,6 @@ class MemoryTracker:
             self.current -= blk.size
 
     # ----------------------------------------------------------------- module / optimizer hooks
-    def _note_params(self, mod: torch.nn.Module) -> None:
-        for p in mod._parameters.values():
-            if p is None:
-                continue
-            self.mark(p, Category.PARAMETER)
-            if p.requires_grad and p not in self._hooked_params:
-                self._hooked_params[p] = True
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_accumulated))
-        for b in mod._buffers.values():
-            if b is not None:
-                self.mark(b, Category.BUFFER)
-
-    def _grad_accumulated(self, p: torch.Tensor) -> None:
-        if p.grad is not None:
-            self.mark(p.grad, Category.GRADIENT)
-
     def _stats(self, mod: torch.nn.Module) -> ModuleStats:
         fqn = self._fqn.get(id(mod)) or type(mod).__name__
         stats = self.modules.get(fqn)
@@ -501,7 +481,7 @@ class MemoryTracker:
     def _pre_fw(self, mod: torch.nn.Module, inputs: Any) -> None:
         if not self.active:
             return
-        self._note_params(mod)
+        self.roles.module_runs(mod)
         in_bw = torch._C._current_graph_task_id() != -1
         if in_bw:
             self._recompute_depth += 1
@@ -514,7 +494,7 @@ class MemoryTracker:
     def _post_fw(self, mod: torch.nn.Module, inputs: Any, outputs: Any) -> None:
         if not self.active:
             return
-        self._note_params(mod)
+        self.roles.module_runs(mod)
         in_bw = torch._C._current_graph_task_id() != -1
         if in_bw:
             self._recompute_depth = max(0, self._recompute_depth - 1)
@@ -535,21 +515,13 @@ class MemoryTracker:
         if not self.active:
             return
         self._optimizer_depth += 1
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.mark(p.grad, Category.GRADIENT)
+        self.roles.optimizer_starts(opt)
 
     def _post_opt(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self.active:
             return
-        self.mark_optimizer_state(opt)
+        self.roles.optimizer_done(opt)
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
-
-    def mark_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
-        """Mark the optimizer's device state tensors (see :func:`~hyperdryrun.trace.optimizer_state.state_tensors`)."""
-        for _, v in state_tensors(opt):
-            self.mark(v, Category.OPTSTATE)
 
     # ----------------------------------------------------------------- results
     @property

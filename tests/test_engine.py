@@ -1,0 +1,191 @@
+"""The engine: one JobPlan, set up by one ``prepare`` and run by both the dry run and ``measure``; the recipe's
+plan; and the DTensor speed-up patch, which changes no result and is undone after every run.
+
+Expected bytes come from the layer shapes and dtype sizes of the small models below, never from the code under test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+import hyperdryrun
+import hyperdryrun.recipe as recipe
+from hyperdryrun.engine import JobPlan, SimulationError, job_plan, micro_batch_step, prepare, simulate_plan
+from hyperdryrun.measure.step import measure_job, measure_plan
+from hyperdryrun.report import build_report
+from hyperdryrun.trace.blocks import Category, Phase
+
+from .conftest import dry_run, job
+
+F32 = 4
+WIDTH = 16
+PARAM_BYTES = 2 * (WIDTH * WIDTH + WIDTH) * F32  # two Linear(16, 16) with bias, fp32
+
+
+def two_layers() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+
+
+def ones_batch(i: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(8, WIDTH, device=device)
+
+
+def mean_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).square().mean()
+
+
+def plan_of(**over) -> JobPlan:
+    return job_plan(two_layers, ones_batch, loss_fn=mean_loss, target_device="cpu", **over)
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+def test_a_plan_refuses_zero_micro_batches_naming_the_value():
+    with pytest.raises(ValueError, match=r"^num_micro_batches=0 must be >= 1$"):
+        JobPlan(two_layers, ones_batch, micro_batch_step(mean_loss, 1), num_micro_batches=0)
+
+
+def test_prepare_reaches_the_steady_state_of_step_two_on_fake_and_on_real_tensors():
+    steps, inits = [], []
+    inner = micro_batch_step(mean_loss, 2)
+
+    def step(model, optimizer, batches):
+        steps.append(len(list(batches)))
+        inner(model, optimizer, iter([ones_batch(0, torch.device("cpu"))] * 2))
+
+    def init(model):
+        inits.append(model)
+        for p in model.parameters():
+            p.fill_(0.5)
+
+    plan = JobPlan(two_layers, ones_batch, step, init_fn=init, num_micro_batches=2, target_device="cpu")
+    for real in (False, True):
+        stages: list[str] = []
+        world = plan.world(simulation_device="cpu")
+        with world:
+            model, optimizer = prepare(world, plan, stages, real=real)
+            params = list(model.parameters())
+            assert all(isinstance(p, FakeTensor) is not real for p in params)
+            # AdamW's states exist and no gradient is left: what a step after the first one starts from.
+            assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in params)
+            assert all(p.grad is None for p in params)
+        assert stages == ["model", "parallelize", "materialize", "optimizer", *(["warm-up"] if real else [])]
+    # Only the real set-up fills values and runs a warm-up step, over every micro batch.
+    assert len(inits) == 1 and steps == [2]
+
+
+def test_one_plan_gives_the_same_residents_and_roles_in_the_dry_run_and_measured():
+    plan = plan_of()
+    dry, real = simulate_plan(plan), measure_plan(plan)
+    for trace in (dry, real):
+        # fp32 parameters and AdamW's exp_avg and exp_avg_sq; no gradient before the step.
+        assert trace.initial == 3 * PARAM_BYTES
+        at_peak = build_report(trace)["summary"]["breakdown_at_peak"]
+        assert (at_peak["Parameter"], at_peak["Optstate"]) == (PARAM_BYTES, 2 * PARAM_BYTES)
+        grads = [b for b in trace.blocks if b.category is Category.GRADIENT]
+        assert sorted(b.size for b in grads) == sorted([WIDTH * WIDTH * F32, WIDTH * F32] * 2)
+        assert {b.phase for b in grads} == {Phase.BACKWARD}
+    world = ("world_size", "rank", "local_rank", "target_device", "simulation_device", "mesh_shape")
+    assert (
+        [dry.metadata[k] for k in world] == [real.metadata[k] for k in world] == [1, 0, 0, "cpu", "cpu", [1]]
+    )
+    assert real.metadata["mode"] == "measured" and "mode" not in dry.metadata
+
+
+@pytest.mark.parametrize("run", [simulate_plan, measure_plan])
+def test_a_failing_stage_is_named_alike_by_the_dry_run_and_measure(run):
+    def boom(model, mesh):
+        raise RuntimeError("no such layout")
+
+    with pytest.raises(SimulationError, match="^parallelize: RuntimeError: no such layout$"):
+        run(plan_of(parallelize_fn=boom))
+
+
+# ----------------------------------------------------------------------------------------------- the recipe's plan
+def test_the_recipe_plan_picks_the_step_of_the_layout_and_says_what_it_approximates():
+    plain = recipe.plan(job(world__world_size=2))
+    assert plain.held_fn is None and plain.limitations == []
+    assert (plain.world_size, plain.mesh_shape, plain.target_device) == (2, (1, 1, 2, 1, 1), "cuda")
+    pp = recipe.plan(job(world__world_size=2, world__rank=1, parallel__pp=2, training__num_micro_batches=2))
+    assert pp.held_fn is not None and list(pp.held_fn()) == []  # no schedule before the first step
+    assert [x.split(":")[0] for x in pp.limitations] == ["pipeline"]
+    assert pp.metadata["pipeline"]["stage_indices"] == [1]
+    cp = recipe.plan(job(world__world_size=2, parallel__cp=2))
+    assert cp.held_fn is None and [x.split(":")[0] for x in cp.limitations] == ["context parallel"]
+    moe = recipe.plan(job(model__name="moe-tiny"))
+    assert [x.split(":")[0] for x in moe.limitations] == ["MoE routing is a scenario, not data"]
+
+
+def test_run_and_measure_execute_the_same_recipe_plan(monkeypatch):
+    planned = []
+    real_plan = recipe.plan
+
+    def plan(cfg):
+        p = real_plan(cfg)
+        planned.append(cfg)
+        p.metadata["planned"] = len(planned)
+        return p
+
+    monkeypatch.setattr(recipe, "plan", plan)
+    cfg = job(target_device="cpu", training__seq_len=16)
+    assert recipe.run_job(cfg, capture_stacks=False).metadata["planned"] == 1
+    assert measure_job(cfg, capture_stacks=False).metadata["planned"] == 2
+    assert planned == [cfg, cfg]
+
+
+# ----------------------------------------------------------------------------------------------- DTensor speed-up
+_CSV_SCRIPT = """
+import sys
+import hyperdryrun.engine as engine
+from hyperdryrun.config import build_config
+from hyperdryrun.recipe import run_job
+from hyperdryrun.report import blocks_csv
+if sys.argv[1] == "unpatched":
+    engine.dtensor_speedups = lambda: []
+cfg = build_config({"model": {"name": "llama-tiny"}, "training": {"seq_len": 64},
+                    "world": {"world_size": 4}, "parallel": {"tp": 2}})
+sys.stdout.write(blocks_csv(run_job(cfg)))
+"""
+
+
+def _fresh_process_csv(mode: str) -> str:
+    # A fresh process each: the first run in a process sees torch's DTensor caches cold (see docs/PERFORMANCE.md).
+    env = dict(os.environ, PYTHONPATH=str(Path(hyperdryrun.__file__).resolve().parent.parent))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CSV_SCRIPT, mode], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_dtensor_speedup_changes_no_block():
+    # FSDP over TP-sharded parameters: the foreach optimizer ops have _StridedShard inputs, the patch's other branch.
+    patched = _fresh_process_csv("patched")
+    assert patched.count("\n") > 100
+    assert _fresh_process_csv("unpatched") == patched
+
+
+def test_dtensor_speedup_patch_undone_after_run_and_after_failure():
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+
+    from hyperdryrun import simulate
+
+    original = sharding_prop._propagate_use_strided_shard_flag
+    dry_run(world__world_size=2)
+    assert sharding_prop._propagate_use_strided_shard_flag is original
+
+    def boom(model, batch):
+        raise RuntimeError("loss exploded")
+
+    with pytest.raises(SimulationError, match="step: RuntimeError: loss exploded"):
+        simulate(
+            lambda: torch.nn.Linear(4, 4), lambda i, d: torch.ones(2, 4, device=d), loss_fn=boom, world_size=2
+        )
+    assert sharding_prop._propagate_use_strided_shard_flag is original
