@@ -27,3 +27,35 @@ def dry_run(**over):
 @pytest.fixture
 def tiny_trace():
     return dry_run(world__world_size=2)
+
+
+SLOW = (
+    "tests/accuracy/",
+    "tests/commands/test_exit_codes.py",
+    "tests/integrations/test_torchtitan.py",
+    "tests/measure/",
+    "tests/parallel/test_context.py",
+    "tests/parallel/test_expert.py",
+    "tests/parallel/test_pipeline.py",
+    "tests/test_activation_checkpointing.py",
+    "tests/test_benchmarks.py",
+    "tests/test_cancellation.py",
+    "tests/test_determinism.py",
+    "tests/test_readme.py",
+    "tests/test_run_ranks.py",
+    "tests/test_runner.py",
+    "tests/viz/test_browser.py",
+)
+"""Test files that run real steps, child processes or a browser: marked ``slow``, so ``pytest -m "not slow"`` is the
+inner loop (CI runs everything)."""
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: runs real steps, child processes or a browser (CI runs them)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if path.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)

@@ -43,7 +43,9 @@ def test_dry_run_peak_matches_the_measured_peak(name):
         f"({r.measured_peak:,} B with), diff {r.diff:+,} B ({r.rel:+.4%})"
     )
     print("  per phase (dry, measured):", r.phase_peaks)
-    assert r.measured_peak >= r.measured_peak_without_scratch
+    # kernel scratch (blocks a kernel frees before it returns, e.g. oneDNN's bf16 scratchpad: 35,200 B at most on
+    # these rows) is small; more than 64 KiB would mean real allocations were taken for scratch and excluded
+    assert 0 <= r.scratch <= 64 * 1024, r
     assert abs(r.rel) <= TOLERANCE, r
     if name in KNOWN_PHASE_GAPS:
         # Still off: when the dry run is fixed this fails, and the entry goes.
