@@ -469,3 +469,84 @@ def test_unwritable_output_dir_is_one_line_error(tmp_path, capsys):
     assert_one_line(err)
     assert str(blocker) in err
     assert list(tmp_path.rglob("*.tmp")) == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rank identity: each field from its flag, else its torchrun variable, else the file / default.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def identity_of(argv: list[str], environ: dict[str, str]) -> tuple[int, int, int]:
+    """(world size, rank, local rank) that ``hyperdryrun run <argv>`` would simulate under ``environ``."""
+    from hyperdryrun.cli import build_parser
+    from hyperdryrun.commands.job import job_from_args
+
+    args = build_parser().parse_args(["run", "--model", "llama-tiny", *argv])
+    cfg = job_from_args(args, environ)
+    return cfg.world.world_size, cfg.world.rank, cfg.local_rank
+
+
+def identity_error(argv: list[str], environ: dict[str, str]) -> str:
+    from hyperdryrun.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        identity_of(argv, environ)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "identity"),
+    [
+        # the issue's case: RANK from the environment, the world size from its flag
+        (["--world-size", "8"], {"RANK": "5"}, (8, 5, 5)),
+        # the other field from the environment, the rank from its flag
+        (["--rank", "1"], {"WORLD_SIZE": "8"}, (8, 1, 1)),
+        (["--local-rank", "3"], {"RANK": "7", "WORLD_SIZE": "8"}, (8, 7, 3)),
+        # a flag equal to its variable is no conflict
+        (["--rank", "5", "--world-size", "8"], {"RANK": "5", "WORLD_SIZE": "8"}, (8, 5, 5)),
+        # torchrun's full identity: rank 5 of 8, 4 per node -> local rank 1 of 4
+        ([], {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, (8, 5, 1)),
+        ([], {}, (1, 0, 0)),
+    ],
+)
+def test_rank_identity_is_merged_field_by_field(argv, environ, identity):
+    assert identity_of(argv, environ) == identity
+
+
+def test_rank_identity_from_the_environment_overrides_the_file_field_by_field(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("world: {world_size: 8, rank: 2}\n")
+    assert identity_of(["--config", str(cfg)], {"RANK": "6"}) == (8, 6, 6)
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "needles"),
+    [
+        (["--rank", "1"], {"RANK": "5", "WORLD_SIZE": "8"}, ["--rank 1", "RANK=5"]),
+        (["--world-size", "4"], {"WORLD_SIZE": "8"}, ["--world-size 4", "WORLD_SIZE=8"]),
+        (["--local-rank", "0"], {"LOCAL_RANK": "2"}, ["--local-rank 0", "LOCAL_RANK=2"]),
+        # LOCAL_RANK must be a rank on this node
+        (
+            [],
+            {"WORLD_SIZE": "8", "LOCAL_RANK": "4", "LOCAL_WORLD_SIZE": "4"},
+            ["LOCAL_RANK=4", "LOCAL_WORLD_SIZE=4"],
+        ),
+        (
+            ["--local-rank", "4"],
+            {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"},
+            ["local_rank", "4", "LOCAL_WORLD_SIZE=4"],
+        ),
+        ([], {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "8"}, ["LOCAL_WORLD_SIZE=8", "WORLD_SIZE=4"]),
+        ([], {"LOCAL_WORLD_SIZE": "x"}, ["LOCAL_WORLD_SIZE='x'", "not an integer"]),
+        # a merged rank outside the merged world names where each came from
+        (["--world-size", "4"], {"RANK": "5"}, ["rank=5 (RANK)", "world_size=4 (--world-size)"]),
+        ([], {"RANK": "3"}, ["rank=3 (RANK)", "world_size=1"]),
+        # a local rank is a rank on one node of the world: never beyond the world
+        (["--world-size", "2", "--local-rank", "999"], {}, ["local_rank=999", "world_size=2"]),
+    ],
+)
+def test_rank_identity_conflicts_are_one_line_naming_both(argv, environ, needles):
+    msg = identity_error(argv, environ)
+    for needle in needles:
+        assert needle in msg, (needle, msg)

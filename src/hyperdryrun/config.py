@@ -7,6 +7,7 @@ Every consumer (CLI, YAML file, Python API) builds a :class:`JobConfig`; a bad v
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -194,6 +195,11 @@ class RankConfig(_Strict):
     def _rank_in_world(self) -> RankConfig:
         if self.rank >= self.world_size:
             raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
+        if self.local_rank is not None and self.local_rank >= self.world_size:
+            raise ValueError(
+                f"local_rank={self.local_rank} must be < world_size={self.world_size} (a rank on one node of "
+                "the world)"
+            )
         return self
 
 
@@ -282,11 +288,16 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def rank_from_env(environ: dict[str, str] | None = None) -> dict[str, int]:
-    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK, each validated with a one-line error."""
+TORCHRUN_VARS = {"world_size": "WORLD_SIZE", "rank": "RANK", "local_rank": "LOCAL_RANK"}
+"""The torchrun variable of each rank-identity field of :class:`RankConfig`."""
+
+
+def rank_from_env(environ: Mapping[str, str] | None = None) -> dict[str, int]:
+    """torchrun's RANK / WORLD_SIZE / LOCAL_RANK (and LOCAL_WORLD_SIZE, as ``local_world_size``) that are set,
+    each checked, and checked against each other where both are set, with a one-line error."""
     env = os.environ if environ is None else environ
     out: dict[str, int] = {}
-    for var, key in (("WORLD_SIZE", "world_size"), ("RANK", "rank"), ("LOCAL_RANK", "local_rank")):
+    for key, var in (*TORCHRUN_VARS.items(), ("local_world_size", "LOCAL_WORLD_SIZE")):
         if var not in env:
             continue
         raw = env[var]
@@ -294,12 +305,23 @@ def rank_from_env(environ: dict[str, str] | None = None) -> dict[str, int]:
             out[key] = int(raw)
         except ValueError:
             raise ConfigError(f"{var}={raw!r} is not an integer") from None
-    if out.get("world_size", 1) < 1:
-        raise ConfigError(f"WORLD_SIZE={out['world_size']} must be >= 1")
-    if "rank" in out and not 0 <= out["rank"] < out.get("world_size", 1):
+    for key, var, least in (
+        ("world_size", "WORLD_SIZE", 1),
+        ("rank", "RANK", 0),
+        ("local_rank", "LOCAL_RANK", 0),
+        ("local_world_size", "LOCAL_WORLD_SIZE", 1),
+    ):
+        if out.get(key, least) < least:
+            raise ConfigError(f"{var}={out[key]} must be >= {least}")
+    for low, high in (("rank", "world_size"), ("local_rank", "local_world_size")):
+        if low in out and high in out and out[low] >= out[high]:
+            a, b = _ENV_NAME[low], _ENV_NAME[high]
+            raise ConfigError(f"{a}={out[low]} must satisfy 0 <= {a} < {b}={out[high]}")
+    if out.get("local_world_size", 0) > out.get("world_size", out.get("local_world_size", 0)):
         raise ConfigError(
-            f"RANK={out['rank']} must satisfy 0 <= RANK < WORLD_SIZE={out.get('world_size', 1)}"
+            f"LOCAL_WORLD_SIZE={out['local_world_size']} must be <= WORLD_SIZE={out['world_size']}"
         )
-    if out.get("local_rank", 0) < 0:
-        raise ConfigError(f"LOCAL_RANK={out['local_rank']} must be >= 0")
     return out
+
+
+_ENV_NAME = {**TORCHRUN_VARS, "local_world_size": "LOCAL_WORLD_SIZE"}

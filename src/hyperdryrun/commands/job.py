@@ -1,15 +1,17 @@
 """The job flags shared by every command that runs the built-in recipe (``run``, ``measure``): one table, so flags,
 YAML keys and error messages agree.
 
-Precedence: command-line flags > torchrun environment (rank identity only) > ``--config`` file > defaults.
+Precedence: command-line flags > torchrun environment (rank identity only, field by field; a flag that contradicts
+its variable is an error) > ``--config`` file > defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
 
-from hyperdryrun.config import ConfigError, JobConfig, build_config, load_yaml, rank_from_env
+from hyperdryrun.config import TORCHRUN_VARS, ConfigError, JobConfig, build_config, load_yaml, rank_from_env
 from hyperdryrun.models.registry import presets_help
 
 
@@ -154,15 +156,62 @@ def _set(data: dict[str, Any], path: str, value: Any) -> None:
     node[leaf] = value
 
 
-def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> JobConfig:
+def _origin(key: str, flagged: dict[str, Any], env: dict[str, int], data: dict[str, Any]) -> str:
+    """Where the merged rank-identity field ``key`` came from, as a user would name it."""
+    if key in flagged:
+        return f"--{key.replace('_', '-')}"
+    if key in env:
+        return TORCHRUN_VARS[key]
+    return "--config" if key in (data.get("world") or {}) else "default"
+
+
+def merge_rank_identity(
+    data: dict[str, Any], args: argparse.Namespace, environ: Mapping[str, str] | None
+) -> None:
+    """Set world size, rank and local rank in ``data`` field by field: the flag, else the torchrun variable, else
+    what the file says (else the default). A flag that contradicts its variable, or a merged identity that does not
+    hold together, is a one-line error naming where each value came from."""
+    env = rank_from_env(environ)
+    flagged = {key: getattr(args, key) for key in TORCHRUN_VARS if getattr(args, key) is not None}
+    for key, var in TORCHRUN_VARS.items():
+        if key in flagged and key in env and flagged[key] != env[key]:
+            flag = _origin(key, flagged, env, data)
+            raise ConfigError(
+                f"{flag} {flagged[key]} conflicts with {var}={env[key]} in the environment: drop one, or give "
+                "the same value"
+            )
+        if key in env and key not in flagged:
+            _set(data, f"world.{key}", env[key])
+    world = data.get("world")
+    if not isinstance(world, dict):
+        return  # a malformed section is build_config's one-line error
+    merged = {key: flagged.get(key, world.get(key)) for key in TORCHRUN_VARS}
+    size, rank, local = (merged[k] for k in ("world_size", "rank", "local_rank"))
+    if not all(v is None or type(v) is int for v in merged.values()):
+        return  # a wrong type is build_config's one-line error
+    if env.keys() & TORCHRUN_VARS.keys() and rank is not None and rank >= (size or 1):
+        raise ConfigError(
+            f"world: rank={rank} ({_origin('rank', flagged, env, data)}) must be < "
+            f"world_size={size or 1} ({_origin('world_size', flagged, env, data)})"
+        )
+    local_size = env.get("local_world_size")
+    if local_size is not None and local is not None and local >= local_size:
+        raise ConfigError(
+            f"world: local_rank={local} ({_origin('local_rank', flagged, env, data)}) must be < "
+            f"LOCAL_WORLD_SIZE={local_size}"
+        )
+    if local_size is not None and size is not None and local_size > size:
+        raise ConfigError(
+            f"LOCAL_WORLD_SIZE={local_size} must be <= world_size={size} "
+            f"({_origin('world_size', flagged, env, data)})"
+        )
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> JobConfig:
     """Merge file, torchrun environment and flags into a validated JobConfig (one-line ConfigError otherwise)."""
 
     data: dict[str, Any] = load_yaml(args.config) if args.config else {}
-    flagged = {path for flag, (path, _, _) in RUN_FLAGS.items() if getattr(args, _dest(flag)) is not None}
-    rank_flags = {"world.world_size", "world.rank", "world.local_rank"}
-    if not rank_flags & flagged:
-        for key, value in rank_from_env(environ).items():
-            _set(data, f"world.{key}", value)
+    merge_rank_identity(data, args, environ)
     for flag, (path, _, _) in RUN_FLAGS.items():
         value = getattr(args, _dest(flag))
         if value is not None:
@@ -170,7 +219,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     return build_config(data)
 
 
-def job_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> JobConfig:
+def job_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> JobConfig:
     """Like :func:`config_from_args`, with the failing field's flag named beside it (``training.seq_len
     (--seq-len): ...``)."""
     try:
