@@ -98,7 +98,7 @@ def test_model_overrides_apply_to_the_preset_of_the_right_family():
             "parallel.ep=2 needs an MoE model, 'llama-tiny' is dense",
         ),
         (
-            {"model": {"name": "moe-tiny"}, "values": {"hot_expert": 4}},
+            {"model": {"name": "moe-tiny"}, "values": {"routing": "hotspot", "hot_expert": 4}},
             "values.hot_expert=4 must be < model.num_experts=4",
         ),
         (
@@ -120,7 +120,8 @@ def test_model_overrides_apply_to_the_preset_of_the_right_family():
             "training.ac_selective: must be 'op' or a positive layer interval, got 'x'",
         ),
         ({"target_device": "tpu"}, "target_device: Input should be 'cuda' or 'cpu' (got 'tpu')"),
-        ({"device_memory_gib": "inf"}, "device_memory_gib: Input should be a finite number (got 'inf')"),
+        ({"device_memory_gib": float("inf")}, "device_memory_gib: Input should be a finite number (got inf)"),
+        ({"device_memory_gib": "80"}, "device_memory_gib: Input should be a valid number (got '80')"),
         (
             {"parallel": {"pp_stage_layers": []}},
             "parallel.pp_stage_layers: must be a non-empty list of layer counts >= 0, got []",
@@ -198,3 +199,83 @@ def test_rank_from_torchrun_environment():
         rank_from_env({"WORLD_SIZE": "8", "RANK": "8"})
     with pytest.raises(ConfigError, match=r"^WORLD_SIZE=0 must be >= 1$"):
         rank_from_env({"WORLD_SIZE": "0"})
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        # llama-tiny: 4 heads; dim 60 gives a head dim of 15, which RoPE cannot rotate in pairs
+        (
+            {"model": {"name": "llama-tiny", "dim": 60}},
+            "model.dim / model.n_heads = 15 must be even: RoPE rotates pairs of the head dimension",
+        ),
+        (
+            {"training": {"seq_len": 10**20}},
+            "training.seq_len: Input should be less than or equal to 1073741824 (got 100000000000000000000)",
+        ),
+        (
+            {"model": {"dim": 2**40}},
+            "model.dim: Input should be less than or equal to 4194304 (got 1099511627776)",
+        ),
+        (
+            # 2**30 * 2**30 tokens of llama-tiny's 2048-word vocabulary: 2**71 elements, no tensor holds them
+            {"model": {"name": "llama-tiny"}, "training": {"seq_len": 2**30, "micro_batch_size": 2**30}},
+            "training.micro_batch_size * training.seq_len * model.dim = 1152921504606846976 * 64 elements do not "
+            "fit one tensor (at most 1152921504606846975 8-byte elements)",
+        ),
+        ({"output_dir": ""}, "output_dir: String should have at least 1 character (got '')"),
+        ({"output_dir": "a\0b"}, "output_dir: must be a path without NUL bytes, got 'a\\x00b'"),
+        (
+            {"model": {"name": "llama-tiny"}, "training": {"ac": "none", "ac_selective": "2"}},
+            "training.ac_selective='2' has no effect with training.ac='none' (give training.ac: selective / --ac "
+            "selective, or drop it)",
+        ),
+        (
+            {"model": {"name": "moe-tiny"}, "values": {"hot_expert": 1}},
+            "values.hot_expert=1 has no effect with values.routing='balanced' (it is for values.routing: hotspot / "
+            "--routing hotspot)",
+        ),
+        (
+            {"model": {"name": "moe-tiny"}, "values": {"routing": "explicit", "counts": [32] * 4, "skew": 3}},
+            "values.skew=3.0 has no effect with values.routing='explicit' (it is for values.routing: hotspot / "
+            "--routing hotspot)",
+        ),
+        (
+            {"model": {"name": "moe-tiny"}, "values": {"routing": "hotspot", "counts": [32] * 4}},
+            "values.counts=[32, 32, 32, 32] has no effect with values.routing='hotspot' (it is for values.routing: "
+            "explicit / --routing explicit)",
+        ),
+        (
+            {"model": {"name": "llama-tiny"}, "values": {"routing": "hotspot"}},
+            "values.routing='hotspot' has no effect: 'llama-tiny' is a dense model (no experts)",
+        ),
+        (
+            {"model": {"name": "llama-tiny"}, "values": {"skew": 3}},
+            "values.skew=3.0 has no effect: 'llama-tiny' is a dense model (no experts)",
+        ),
+    ],
+)
+def test_shapes_paths_and_fields_without_effect_are_named(data, message):
+    assert error_of(data) == message
+
+
+def test_fields_given_where_they_apply_are_accepted():
+    cfg = build_config(
+        {"model": {"name": "llama-tiny"}, "training": {"ac": "selective", "ac_selective": "2"}}
+    )
+    assert cfg.training.ac_selective == "2"
+    cfg = build_config(
+        {"model": {"name": "moe-tiny"}, "values": {"routing": "hotspot", "hot_expert": 3, "skew": 2}}
+    )
+    assert (cfg.values.hot_expert, cfg.values.skew) == (3, 2.0)
+
+
+def test_a_config_rebuilt_from_its_dump_validates_alike():
+    """The runner's workers rebuild the config from ``model_dump()``: every field is then given explicitly."""
+    for data in (
+        {"model": {"name": "llama-tiny"}},
+        {"model": {"name": "moe-tiny"}, "values": {"routing": "hotspot", "hot_expert": 2, "skew": 3}},
+        {"model": {"name": "llama-tiny"}, "training": {"ac": "selective", "ac_selective": "2"}},
+    ):
+        cfg = build_config(data)
+        assert build_config(cfg.model_dump()) == cfg

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hyperdryrun.ingest.files import CONFIG_BYTES, NESTING, YAML_NODES, IngestError, read_bytes
 from hyperdryrun.models.registry import ModelFamily, family_of, preset_names
 from hyperdryrun.parallel.dims import ParallelDims, PipelineSchedule, stages_per_rank
 from hyperdryrun.world.runtime import CudaRuntime
@@ -27,29 +28,44 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
+    # strict: YAML's `seq_len: true` or `"64"` is a mistake, not 1 or 64 (an int is still a float);
     # allow_inf_nan=False: "inf" GiB of device memory or a NaN learning rate is a typo, not a value.
-    model_config = ConfigDict(extra="forbid", strict=False, validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
+
+
+# Upper bounds of the shape fields: generous for any published model, small enough that the products a step forms
+# (tokens x width, the fp32 logits) fit a tensor (int64 elements and bytes); see JobConfig._shapes_fit.
+MAX_WIDTH = 1 << 22
+"""dim, ffn_dim and moe_ffn_dim (the largest published: 53,248)."""
+MAX_VOCAB = 1 << 24
+MAX_LAYERS = 10_000
+MAX_HEADS = 1 << 16
+MAX_TOKENS = 1 << 30
+"""seq_len and micro_batch_size, each."""
+MAX_MICRO_BATCHES = 10_000
+TENSOR_BYTES = (1 << 63) - 1
+"""The most bytes one tensor may hold (torch sizes and strides are int64)."""
 
 
 class ModelConfig(_Strict):
     """A preset plus optional overrides of every shape field."""
 
     name: str = "llama3-8b"
-    dim: int | None = Field(None, gt=0)
-    n_layers: int | None = Field(None, gt=0)
-    n_heads: int | None = Field(None, gt=0)
-    n_kv_heads: int | None = Field(None, gt=0)
-    ffn_dim: int | None = Field(None, gt=0)
-    vocab_size: int | None = Field(None, gt=0)
+    dim: int | None = Field(None, gt=0, le=MAX_WIDTH)
+    n_layers: int | None = Field(None, gt=0, le=MAX_LAYERS)
+    n_heads: int | None = Field(None, gt=0, le=MAX_HEADS)
+    n_kv_heads: int | None = Field(None, gt=0, le=MAX_HEADS)
+    ffn_dim: int | None = Field(None, gt=0, le=MAX_WIDTH)
+    vocab_size: int | None = Field(None, gt=0, le=MAX_VOCAB)
     norm_eps: float | None = Field(None, gt=0)
     rope_theta: float | None = Field(None, gt=0)
     tie_embeddings: bool | None = None
     # --- MoE models (presets of hyperdryrun.models.moe) ---
-    num_experts: int | None = Field(None, gt=0)
-    top_k: int | None = Field(None, gt=0)
-    moe_ffn_dim: int | None = Field(None, gt=0)
-    num_shared_experts: int | None = Field(None, ge=0)
-    n_dense_layers: int | None = Field(None, ge=0)
+    num_experts: int | None = Field(None, gt=0, le=MAX_HEADS)
+    top_k: int | None = Field(None, gt=0, le=MAX_HEADS)
+    moe_ffn_dim: int | None = Field(None, gt=0, le=MAX_WIDTH)
+    num_shared_experts: int | None = Field(None, ge=0, le=MAX_HEADS)
+    n_dense_layers: int | None = Field(None, ge=0, le=MAX_LAYERS)
 
     @field_validator("name")
     @classmethod
@@ -133,9 +149,9 @@ class TrainingConfig(_Strict):
     """FSDP2 MixedPrecisionPolicy.param_dtype: the dtype of the unsharded parameters used in compute."""
     reduce_dtype: Dtype | None = "fp32"
     """FSDP2 MixedPrecisionPolicy.reduce_dtype: the dtype of gradient reduce-scatter."""
-    seq_len: int = Field(2048, gt=0)
-    micro_batch_size: int = Field(1, gt=0)
-    num_micro_batches: int = Field(1, gt=0)
+    seq_len: int = Field(2048, gt=0, le=MAX_TOKENS)
+    micro_batch_size: int = Field(1, gt=0, le=MAX_TOKENS)
+    num_micro_batches: int = Field(1, gt=0, le=MAX_MICRO_BATCHES)
     """Gradient accumulation: micro batches per optimizer step."""
     ac: Literal["none", "full", "selective"] = "none"
     ac_selective: str = "op"
@@ -213,8 +229,15 @@ class JobConfig(_Strict):
     cuda: CudaRuntime = CudaRuntime()
     """A CUDA target's GPU, caching-allocator settings and runtime costs (defaults in hyperdryrun.world.runtime)."""
     device_memory_gib: float | None = Field(None, gt=0)
-    output_dir: str = "hyperdryrun_out"
+    output_dir: str = Field("hyperdryrun_out", min_length=1)
     live_set_limit: int = Field(50, gt=0)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _a_path(cls, v: str) -> str:
+        if "\0" in v:
+            raise ValueError(f"must be a path without NUL bytes, got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _layout(self) -> JobConfig:
@@ -224,11 +247,59 @@ class JobConfig(_Strict):
         if problems:
             raise ValueError(problems[0])
         object.__setattr__(p, "dp_shard", dims.dp_shard)
+        self._check_shapes(m)
+        self._check_effective()
         if self.model.is_moe:
             self._check_routing(m)
         if t.ac == "selective" and t.ac_selective != "op" and int(t.ac_selective) > m.n_layers:
             raise ValueError(f"training.ac_selective={t.ac_selective} exceeds model.n_layers={m.n_layers}")
         return self
+
+    def _check_shapes(self, m: Any) -> None:
+        """Shapes the step can form: RoPE rotates pairs (an even rotated head dim), and the widest activation of a
+        micro batch (tokens x width, at 8 bytes an element at most) fits one tensor."""
+        if getattr(m, "attention", "gqa") == "mla":
+            rope, field = m.qk_rope_head_dim, "model.qk_rope_head_dim"
+        else:
+            rope, field = m.head_dim, "model.dim / model.n_heads"
+        if rope % 2:
+            raise ValueError(f"{field} = {rope} must be even: RoPE rotates pairs of the head dimension")
+        tokens = self.training.micro_batch_size * self.training.seq_len
+        for name in ("dim", "ffn_dim", "vocab_size", "moe_ffn_dim"):
+            width = getattr(m, name, 0)
+            if tokens * width * 8 > TENSOR_BYTES:
+                raise ValueError(
+                    f"training.micro_batch_size * training.seq_len * model.{name} = {tokens} * {width} elements "
+                    f"do not fit one tensor (at most {TENSOR_BYTES // 8} 8-byte elements)"
+                )
+
+    def _check_effective(self) -> None:
+        """A field set away from its default that the rest of the configuration ignores is an error, not silence.
+
+        Judged on values, not on which keys were given, so that a config rebuilt from its own dump (the runner's
+        workers do) validates alike."""
+        t, v = self.training, self.values
+        if t.ac_selective != _default(TrainingConfig, "ac_selective") and t.ac != "selective":
+            raise ValueError(
+                f"training.ac_selective={t.ac_selective!r} has no effect with training.ac={t.ac!r} "
+                "(give training.ac: selective / --ac selective, or drop it)"
+            )
+        changed = {
+            f
+            for f in ("routing", "hot_expert", "skew", "counts")
+            if getattr(v, f) != _default(ValuesConfig, f)
+        }
+        if not self.model.is_moe and changed:
+            raise ValueError(
+                f"values.{sorted(changed)[0]}={getattr(v, sorted(changed)[0])!r} has no effect: "
+                f"{self.model.name!r} is a dense model (no experts)"
+            )
+        for name, routing in (("hot_expert", "hotspot"), ("skew", "hotspot"), ("counts", "explicit")):
+            if name in changed and v.routing != routing:
+                raise ValueError(
+                    f"values.{name}={getattr(v, name)} has no effect with values.routing={v.routing!r} (it is for "
+                    f"values.routing: {routing} / --routing {routing})"
+                )
 
     def _check_routing(self, m: Any) -> None:
         """The MoE routing scenario against the model's experts and one micro batch's tokens."""
@@ -254,6 +325,11 @@ class JobConfig(_Strict):
         return self.world.rank if self.world.local_rank is None else self.world.local_rank
 
 
+def _default(model: type[BaseModel], field: str) -> Any:
+    """The default of ``model.field``: the one place it is written is the field's declaration."""
+    return model.model_fields[field].default
+
+
 def _format_error(err: ValidationError) -> str:
     e = err.errors()[0]
     loc = ".".join(str(x) for x in e["loc"])
@@ -271,16 +347,127 @@ def build_config(data: dict[str, Any]) -> JobConfig:
         raise ConfigError(_format_error(err)) from None
 
 
+class _YamlLimit(Exception):
+    """A job file beyond a limit of :mod:`hyperdryrun.ingest.files` (nesting, nodes) or with a duplicate key."""
+
+
+class JobFileLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader (no Python objects), refusing what a job file never needs: a key given twice in one
+    mapping (the last would silently win), collections nested deeper than :data:`NESTING`, and more than
+    :data:`YAML_NODES` nodes once aliases are expanded (a 1 KB alias bomb stands for a billion strings)."""
+
+    def __init__(self, stream: str, max_depth: int, max_nodes: int) -> None:
+        super().__init__(stream)
+        self.max_depth, self.max_nodes, self.depth = max_depth, max_nodes, 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        nested = self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent)
+        self.depth += nested
+        try:
+            if self.depth > self.max_depth:
+                raise _YamlLimit(f"is nested deeper than {self.max_depth} levels ({NESTING.hint})")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= nested
+
+    def get_single_node(self) -> Any:
+        node = super().get_single_node()
+        if node is not None:
+            self._check_expanded(node)
+        return node
+
+    def _check_expanded(self, root: yaml.Node) -> None:
+        """Nodes and nesting of the document as the constructor will expand it (each alias a copy)."""
+        size: dict[int, int] = {}
+        depth: dict[int, int] = {}
+        on_path: set[int] = set()
+        stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+        while stack:
+            node, done = stack.pop()
+            key = id(node)
+            kids = _children(node)
+            if done:
+                on_path.discard(key)
+                size[key] = 1 + sum(size[id(k)] for k in kids)
+                depth[key] = (not isinstance(node, yaml.ScalarNode)) + max(
+                    (depth[id(k)] for k in kids), default=0
+                )
+                if size[key] > self.max_nodes:
+                    raise _YamlLimit(
+                        f"has more than {self.max_nodes} nodes with its aliases expanded ({YAML_NODES.hint})"
+                    )
+                if depth[key] > self.max_depth:
+                    raise _YamlLimit(
+                        f"is nested deeper than {self.max_depth} levels with its aliases expanded ({NESTING.hint})"
+                    )
+                continue
+            if key in size:
+                continue
+            if key in on_path:
+                raise _YamlLimit("holds a recursive alias (a collection that contains itself)")
+            on_path.add(key)
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in size)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` then overriding a key is what a merge is for
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:
+                continue  # an unhashable key: the constructor's own error
+            if duplicate:
+                raise _YamlLimit(f"has a duplicate key {key!r} at line {key_node.start_mark.line + 1}")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """The mapping in the YAML job file ``path``, read within the limits of :mod:`hyperdryrun.ingest.files` (size,
+    nesting, nodes with aliases expanded), UTF-8, with no key given twice; any problem is a one-line ConfigError."""
     p = Path(path)
+    where = f"--config: {str(p)!r}"
     try:
-        text = p.read_text()
-    except OSError as err:
-        raise ConfigError(f"--config: cannot read {str(p)!r}: {err.strerror}") from None
+        raw = read_bytes(p, CONFIG_BYTES)
+        max_depth, max_nodes = NESTING.of(p), YAML_NODES.of(p)
+    except IngestError as err:
+        reasons = {
+            "no such file": "No such file or directory",
+            "is a directory, not a file": "Is a directory",
+        }
+        if err.problem in reasons or err.problem.startswith("cannot read: "):
+            why = reasons.get(err.problem) or err.problem.removeprefix("cannot read: ")
+            raise ConfigError(f"--config: cannot read {str(p)!r}: {why}") from None
+        sep = " " if err.problem.startswith("is ") else ": "
+        raise ConfigError(f"{where}{sep}{err.problem}") from None
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{where} is not UTF-8 text (byte {err.start}: {raw[err.start : err.start + 1]!r})"
+        ) from None
+    loader = JobFileLoader(text, max_depth, max_nodes)
+    try:
+        data = loader.get_single_data()
+    except _YamlLimit as err:
+        raise ConfigError(f"{where} {err}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"--config: {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"{where} is not valid YAML: {str(err).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{where} is nested deeper than Python can construct ({NESTING.hint})") from None
+    finally:
+        loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):

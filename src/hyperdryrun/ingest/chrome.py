@@ -12,13 +12,14 @@ backward) then reads as backward, and stacks are empty.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 from hyperdryrun.ingest.events import AllocEvent, normalize_device, trace_from_events
-from hyperdryrun.ingest.files import IngestError, user_file
+from hyperdryrun.ingest.files import SPAN_DEPTH, IngestError, user_file
 from hyperdryrun.trace.blocks import Phase
 from hyperdryrun.trace.stacks import Frame
 from hyperdryrun.trace.step import StepTrace
@@ -88,6 +89,57 @@ class _Span:
 
 def _ns(ts: Any) -> int:
     return round(float(ts) * 1000)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if isinstance(value, int | float | str | bool | None) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_event(e: dict[str, Any], idx: int, source: str) -> None:
+    """Raise a one-line :class:`IngestError` unless the fields a reader uses have the types PyTorch writes: the
+    time stamp and duration numbers, thread ids plain values, a ``[memory]`` event's byte counts and address
+    integers (other events are not read and not checked)."""
+    memory = e.get("name") == MEMORY_EVENT
+    what = "[memory] event" if memory else "event"
+    if not memory:
+        if e.get("ph") != "X":
+            return
+        if not isinstance(e.get("cat"), str | None):
+            raise IngestError(source, f"event #{idx}: cat must be a string (got {_shown(e['cat'])})")
+        if e.get("cat") not in _SPAN_CATS:
+            return
+    for key in ("ts", "dur"):
+        if key in e and not _is_number(e[key]):
+            raise IngestError(source, f"{what} #{idx}: {key} must be a finite number (got {_shown(e[key])})")
+    for key in ("pid", "tid"):
+        if key in e and not isinstance(e[key], int | float | str | None):
+            raise IngestError(
+                source, f"{what} #{idx}: {key} must be a number or a string (got {_shown(e[key])})"
+            )
+    if what == "event":
+        return
+    args = e.get("args")
+    if not isinstance(args, dict) or "Bytes" not in args or "Addr" not in args or "ts" not in e:
+        raise IngestError(source, f"[memory] event #{idx} lacks ts, args.Bytes or args.Addr")
+    for key in ("Bytes", "Addr", "Total Allocated", "Device Id"):
+        if key in args and not _is_int(args[key]):
+            raise IngestError(
+                source, f"[memory] event #{idx}: {key} must be an integer (got {_shown(args[key])})"
+            )
+    if "Device Type" in args and not isinstance(args["Device Type"], int | str):
+        raise IngestError(
+            source,
+            f"[memory] event #{idx}: Device Type must be an integer or a name (got {_shown(args['Device Type'])})",
+        )
 
 
 def trace_events(data: Any, source: str) -> list[dict[str, Any]]:
@@ -167,10 +219,8 @@ def chrome_events(
     spans: dict[tuple[Any, Any], list[_Span]] = defaultdict(list)
     memory: list[tuple[int, int, dict[str, Any]]] = []
     for idx, e in enumerate(events):
+        check_event(e, idx, source)
         if e.get("name") == MEMORY_EVENT:
-            args = e.get("args")
-            if not isinstance(args, dict) or "Bytes" not in args or "Addr" not in args or "ts" not in e:
-                raise IngestError(source, f"[memory] event #{idx} lacks ts, args.Bytes or args.Addr")
             memory.append((idx, _ns(e["ts"]), e))
         elif e.get("ph") == "X" and e.get("cat") in _SPAN_CATS and "ts" in e:
             start = _ns(e["ts"])
@@ -194,6 +244,7 @@ def chrome_events(
     for m in mine:
         by_thread[(m[2].get("pid"), m[2].get("tid"))].append(m)
     contexts: dict[int, _Context] = {}
+    depth = SPAN_DEPTH.of(source)
     for thread, mems in by_thread.items():
         ordered = sorted(spans.get(thread, ()), key=lambda s: (s.start, -s.end, s.idx))
         stack: list[_Span] = []
@@ -203,6 +254,10 @@ def chrome_events(
                 stack = [s for s in stack if s.end >= ordered[k].start]
                 stack.append(ordered[k])
                 k += 1
+                if len(stack) > depth:
+                    raise IngestError(
+                        source, f"spans nest deeper than {depth} on thread {thread} ({SPAN_DEPTH.hint})"
+                    )
             stack = [s for s in stack if s.end >= t]
             contexts[idx] = _context(stack)
     out: list[AllocEvent] = []

@@ -19,6 +19,7 @@ from hyperdryrun.ingest.events import FrameTable
 from hyperdryrun.ingest.files import (
     GZIP_MAGIC,
     PICKLE_MAGIC,
+    TASKS_PER_ROW,
     IngestError,
     read_bytes,
     read_json,
@@ -41,6 +42,82 @@ def _is_chrome(data: Any) -> bool:
     return isinstance(data, list) and bool(data) and all(isinstance(e, dict) and "ph" in e for e in data[:50])
 
 
+_NULL = type(None)
+# The report fields that readers use (compare, the pictures), with their types: a report whose field has another
+# type is refused naming the field. ``?`` marks a key that may be absent; ``{str: spec}`` is a mapping of any keys;
+# ``[spec]`` a list. Other keys are not checked.
+_BLOCK_FIELDS = {
+    "size": int,
+    "?id": int,
+    "?requested": int,
+    "?start": int,
+    "?end": (int, _NULL),
+    "?category": (str, _NULL),
+    "?op": (str, _NULL),
+    "?module": (str, _NULL),
+    "?phase": (str, _NULL),
+    "?stack": list,
+}
+_PEAK_FIELDS = {"?peak_bytes": (int, _NULL), "?breakdown_at_peak": {str: int}}
+REPORT_FIELDS: dict[str, Any] = {
+    "metadata": {"?kernel_scratch": (dict, _NULL), "?mode": (str, _NULL), "?rank": (int, _NULL)},
+    "summary": {
+        "peak_bytes": int,
+        "?peak_task": int,
+        "?peak_phase": (str, _NULL),
+        "?peak_op": (str, _NULL),
+        "breakdown_at_peak": {str: int},
+        "?current_bytes": int,
+        "?breakdown_after_step": {str: int},
+    },
+    "phases": {str: _PEAK_FIELDS},
+    "modules": [{"fqn": str, "?forward_peak_bytes": (int, _NULL), "?backward_peak_bytes": (int, _NULL)}],
+    "peak_live_set": {"num_blocks": int, "shown": int, "blocks": [_BLOCK_FIELDS]},
+    "limitations": [str],
+}
+_KIND = {
+    int: "an integer",
+    str: "a string",
+    float: "a number",
+    list: "a list",
+    dict: "an object",
+    _NULL: "null",
+}
+
+
+def _value_text(value: Any) -> str:
+    text = repr(value) if isinstance(value, int | float | str | bool | None) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_fields(source: str, where: str, value: Any, spec: Any) -> None:
+    """Raise a one-line :class:`IngestError` naming the first field of ``value`` that does not fit ``spec`` (see
+    :data:`REPORT_FIELDS`)."""
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise IngestError(source, f"{where} must be an object (got {_value_text(value)})")
+        if list(spec) == [str]:
+            for key, item in value.items():
+                check_fields(source, f"{where}.{key}", item, spec[str])
+            return
+        for key, sub in spec.items():
+            name = key.lstrip("?")
+            if name in value:
+                check_fields(source, f"{where}.{name}" if where else name, value[name], sub)
+            elif not key.startswith("?"):
+                raise IngestError(source, f"{where or 'report'} lacks {name}")
+    elif isinstance(spec, list):
+        if not isinstance(value, list):
+            raise IngestError(source, f"{where} must be a list (got {_value_text(value)})")
+        for i, item in enumerate(value):
+            check_fields(source, f"{where}[{i}]", item, spec[0])
+    else:
+        kinds = spec if isinstance(spec, tuple) else (spec,)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            want = " or ".join(_KIND[k] for k in kinds)
+            raise IngestError(source, f"{where} must be {want} (got {_value_text(value)})")
+
+
 def load_report(path: Path, data: dict[str, Any]) -> dict[str, Any]:
     """A report dict; with its CSV beside it, ``peak_live_set`` holds every block alive at the peak (from the CSV,
     checked against the JSON's peak) so a comparison sees the whole live set, not the first ``live_set_limit``."""
@@ -50,9 +127,8 @@ def load_report(path: Path, data: dict[str, Any]) -> dict[str, Any]:
     missing = [k for k in JSON_KEYS if k not in data]
     if missing:
         raise IngestError(path, f"report lacks {', '.join(missing)}")
-    summary = data.get("summary")
-    if not isinstance(summary, dict) or not isinstance(summary.get("peak_bytes"), int):
-        raise IngestError(path, "report summary has no integer peak_bytes")
+    check_fields(str(path), "", data, REPORT_FIELDS)
+    summary = data["summary"]
     csv_path = path.with_suffix(".csv")
     if not csv_path.exists():
         return data
@@ -122,6 +198,46 @@ def _stack(text: str) -> tuple[tuple[str, int, str], ...]:
     return tuple(frames)
 
 
+def _count(row: list[str], column: int) -> int:
+    """A non-negative integer cell (a task index or a size), with the column named when it is not."""
+    value = int(row[column])
+    if value < 0:
+        raise ValueError(f"{CSV_COLUMNS[column]} must be >= 0 (got {value})")
+    return value
+
+
+def _block_of_row(row: list[str], block_id: int, stacks: FrameTable) -> Block:
+    """One CSV row as a Block; ValueError naming the cell when the row cannot be a block."""
+    if len(row) != len(CSV_COLUMNS):
+        raise ValueError(f"{len(row)} fields, expected {len(CSV_COLUMNS)}")
+    users = row[17].strip("{}")
+    start, end, size = _count(row, 0), _count(row, 1), _count(row, 7)
+    if end < start:
+        raise ValueError(f"the block ends at task {end} (end_time_stamp), before it starts at task {start}")
+    tasks = [int(u) for u in users.split("-")] if users else []
+    if any(t < 0 for t in tasks):
+        raise ValueError(f"user_tasks must be task indices >= 0 (got {row[17]!r})")
+    return Block(
+        id=block_id,
+        size=size,
+        requested=size,
+        start=start,
+        op=row[15],
+        phase=Phase(row[14]),
+        module=row[16],
+        stack_id=stacks.intern(_stack(row[19])),
+        addr=int(row[4]),
+        end=end,
+        category=Category(row[12]),
+        users=tasks,
+        used_after_alloc=int(row[8]),
+        peak_after_alloc=int(row[9]),
+        start_plot=float(row[2]),
+        end_plot=float(row[3]),
+        stream=int(row[5]),
+    )
+
+
 def trace_from_csv(rows: Iterable[list[str]], source: str) -> StepTrace:
     """Blocks from a memory-block CSV, and the tasks, peak and phase peaks rebuilt from their lifetimes.
 
@@ -131,49 +247,40 @@ def trace_from_csv(rows: Iterable[list[str]], source: str) -> StepTrace:
     the CSV and stay empty / 0.
     """
     it = iter(rows)
-    header = next(it, None)
+    try:
+        header = next(it, None)
+    except csv.Error as err:
+        raise IngestError(source, f"line 1: {err}") from None
     if header is None:
         raise IngestError(source, "empty file")
     if tuple(header) != CSV_COLUMNS:
         raise IngestError(source, f"not a memory-block CSV (header starts {','.join(header[:3])!r})")
     stacks = FrameTable()
     blocks: list[Block] = []
-    for n, row in enumerate(it, start=2):
-        if not row:
-            continue
-        try:
-            if len(row) != len(CSV_COLUMNS):
-                raise ValueError(f"{len(row)} fields, expected {len(CSV_COLUMNS)}")
-            users = row[17].strip("{}")
-            blocks.append(
-                Block(
-                    id=len(blocks),
-                    size=int(row[7]),
-                    requested=int(row[7]),
-                    start=int(row[0]),
-                    op=row[15],
-                    phase=Phase(row[14]),
-                    module=row[16],
-                    stack_id=stacks.intern(_stack(row[19])),
-                    addr=int(row[4]),
-                    end=int(row[1]),
-                    category=Category(row[12]),
-                    users=[int(u) for u in users.split("-")] if users else [],
-                    used_after_alloc=int(row[8]),
-                    peak_after_alloc=int(row[9]),
-                    start_plot=float(row[2]),
-                    end_plot=float(row[3]),
-                    stream=int(row[5]),
-                )
-            )
-        except (ValueError, KeyError, IndexError) as err:
-            raise IngestError(source, f"line {n}: {err}") from None
+    n = 1
+    try:
+        for n, row in enumerate(it, start=2):
+            if not row:
+                continue
+            try:
+                blocks.append(_block_of_row(row, len(blocks), stacks))
+            except (ValueError, KeyError, IndexError) as err:
+                raise IngestError(source, f"line {n}: {err}") from None
+    except csv.Error as err:
+        raise IngestError(source, f"line {n + 1}: {err}") from None
     if not blocks:
         raise IngestError(source, "no blocks (header only)")
     last = 0
     for b in blocks:
         last = max(last, b.start, *(b.users or [0]), b.end - 1 if b.end != PERSISTENT_END else 0)
     num_tasks = last + 1
+    per_row = TASKS_PER_ROW.of(source)
+    if num_tasks > per_row * len(blocks):
+        raise IngestError(
+            source,
+            f"spans {num_tasks} tasks with {len(blocks)} rows, more than the limit of {per_row} per row "
+            f"({TASKS_PER_ROW.hint})",
+        )
     task_op: list[str | None] = [None] * num_tasks
     task_phase: list[Phase | None] = [None] * num_tasks
     for b in blocks:
