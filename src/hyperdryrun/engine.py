@@ -25,6 +25,7 @@ from hyperdryrun.trace.tensors import resident_tensors
 from hyperdryrun.trace.tracker import MemoryTracker
 from hyperdryrun.world import SimulatedWorld
 from hyperdryrun.world.runtime import CudaRuntime, observed
+from hyperdryrun.world.values import ValueRules, use_rules
 
 ModelFn = Callable[[], nn.Module]
 ParallelizeFn = Callable[[nn.Module, Any], nn.Module | None]
@@ -291,15 +292,17 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
                 timings["setup"] = time.perf_counter() - t0
                 stages.append("step")
                 t1 = time.perf_counter()
-                tracker, initial = traced_step(
-                    world,
-                    model,
-                    optimizer,
-                    plan.step_fn,
-                    plan.batch_fn,
-                    plan.num_micro_batches,
-                    capture_stacks,
-                )
+                # no rule given: an uncovered data-dependent op (`if tensor:`) is one line naming it, not torch's
+                with use_rules(ValueRules([]), root=model):
+                    tracker, initial = traced_step(
+                        world,
+                        model,
+                        optimizer,
+                        plan.step_fn,
+                        plan.batch_fn,
+                        plan.num_micro_batches,
+                        capture_stacks,
+                    )
                 timings["step"] = time.perf_counter() - t1
                 stages.append("trace")
                 trace = step_trace(tracker, initial)

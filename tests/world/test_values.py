@@ -3,6 +3,7 @@ data-dependent op stops the run with an error naming the op, the module and the 
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -110,13 +111,20 @@ def run(model_cls, rules: ValueRules | None):
     )
 
 
-def test_an_uncovered_item_names_the_op_the_module_and_the_rule_to_add():
+def branch_line() -> str:
+    """``tests/world/test_values.py:<n>``: the ``if x.sum() > 0:`` line of Branchy.forward, found in the source."""
+    lines, first = inspect.getsourcelines(Branchy.forward)
+    n = first + next(i for i, text in enumerate(lines) if "if x.sum() > 0:" in text)
+    return f"{os.path.relpath(__file__)}:{n}"
+
+
+def test_an_uncovered_item_names_the_op_the_module_the_source_line_and_the_rule_to_add():
     with pytest.raises(SimulationError) as info:
         run(Model, ValueRules([]))
     msg = str(info.value)
     assert (
-        "data-dependent op aten._local_scalar_dense.default (fake mode raised DataDependentOutputException) in module 'gate'"
-        in msg
+        "data-dependent op aten._local_scalar_dense.default (fake mode raised DataDependentOutputException) in module "
+        f"'gate' at {branch_line()}: " in msg
     )
     assert "values.rules: [{module: 'gate', op: 'aten._local_scalar_dense.default', handler: branch" in msg
     assert "\n" not in msg
@@ -170,9 +178,28 @@ def test_the_answering_mode_is_pushed_only_when_a_rule_answers_ops():
         assert len(_get_current_dispatch_mode_stack()) == 1
 
 
-def test_without_value_rules_the_fake_mode_error_is_left_as_torch_raises_it():
-    with pytest.raises(SimulationError, match="DataDependentOutputException"):
+def test_a_user_model_without_value_rules_stops_with_the_one_line_error():
+    # simulate() with no rule at all: the `if tensor:` of a user model is named, not torch's bare exception
+    with pytest.raises(SimulationError) as info:
         run(Model, None)
+    assert isinstance(info.value.error, ValueRuleError)
+    msg = str(info.value)
+    assert (
+        "aten._local_scalar_dense.default (fake mode raised DataDependentOutputException) in module 'gate' at "
+        in msg
+    )
+    assert f" at {branch_line()}: " in msg and "values.rules: [{module: 'gate'" in msg and "\n" not in msg
+    assert active_rules() is None and _get_current_dispatch_mode_stack() == []
+
+
+def test_a_rule_that_matches_elsewhere_still_names_the_source_line():
+    # a rule answering ops pushes the answering mode: the error comes from inside the dispatch, at the same line
+    other = ValueRules(
+        [ValueRule(module="nowhere", op="aten._local_scalar_dense*", handler="branch", value=True)]
+    )
+    with pytest.raises(SimulationError) as info:
+        run(Model, other)
+    assert f"in module 'gate' at {branch_line()}: " in str(info.value)
 
 
 def test_rules_and_the_mode_are_undone_after_an_exception_in_the_body():
@@ -194,6 +221,8 @@ def test_rules_and_the_mode_are_undone_after_an_exception_in_the_body():
         ({"handler": "branch", "value": 1}, "handler 'branch' needs value: true or false"),
         ({"handler": "size", "value": -1}, "handler 'size' needs value: an output length >= 0"),
         ({"handler": "hotspot", "skew": 0.5}, "greater than or equal to 1"),
+        ({"handler": "hotspot", "hot_expert": True}, "valid integer"),
+        ({"handler": "size", "value": "40"}, "valid"),
     ],
 )
 def test_bad_rules_are_rejected_with_the_field(fields, message):

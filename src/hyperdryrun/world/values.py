@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Iterator
+import os
+import sys
+import traceback
+from collections.abc import Iterable, Iterator
+from types import FrameType
 from typing import Any, Literal
 
 import torch
@@ -28,6 +32,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hyperdryrun.ingest.files import user_file
 from hyperdryrun.trace.tracker import active_tracker
 
 ROUTING_OP = "moe.token_counts"
@@ -44,7 +49,8 @@ class ValueRuleError(RuntimeError):
 class ValueRule(BaseModel):
     """One rule: where it applies (``module``, ``op`` patterns) and how it gives the value (``handler``)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: a YAML `hot_expert: true` or `value: "40"` is a mistake, not 1 or 40
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     module: str = "*"
     op: str = "*"
@@ -157,14 +163,32 @@ def active_rules() -> ValueRules | None:
     return _active
 
 
-def _missing(op: str, module: str, example: str, what: str, raised: str = "") -> str:
+def _missing(op: str, module: str, example: str, what: str, raised: str = "", line: str = "") -> str:
     where = module or "<top level>"
     pattern = module or "*"
     by = f" (fake mode raised {raised})" if raised else ""
+    at = f" at {line}" if line else ""
     return (
-        f"data-dependent op {op}{by} in module {where!r}: fake tensors have no values, so {what} cannot be computed; "
-        f"add a value rule, e.g. values.rules: [{{module: '{pattern}', op: '{op}', {example}}}]"
+        f"data-dependent op {op}{by} in module {where!r}{at}: fake tensors have no values, so {what} cannot be "
+        f"computed; add a value rule, e.g. values.rules: [{{module: '{pattern}', op: '{op}', {example}}}]"
     )
+
+
+def _source_line(frames: Iterable[tuple[FrameType, int]]) -> str:
+    """``file:line`` of the innermost user-code frame of ``frames`` (outermost first), the file relative to the
+    working directory when under it; ``""`` when none is user code."""
+    found = ""
+    for frame, lineno in frames:
+        name = frame.f_code.co_filename
+        if user_file(name):
+            rel = os.path.relpath(name) if os.path.isabs(name) else name
+            found = f"{name if rel.startswith('..') else rel}:{lineno}"
+    return found
+
+
+def _raise_site() -> str:
+    """:func:`_source_line` of the Python stack at this call (a dispatch mode runs inside the op's caller)."""
+    return _source_line(reversed(list(traceback.walk_stack(sys._getframe(1)))))
 
 
 def _current_module() -> str:
@@ -212,11 +236,14 @@ class ValueRuleMode(TorchDispatchMode):
                 shape = (rule.value, x.dim()) if _SIZED[func] == "nonzero" else (rule.value,)
                 dtype = torch.long if _SIZED[func] == "nonzero" else x.dtype
                 return torch.empty(shape, dtype=dtype, device=x.device)
-            raise ValueRuleError(_uncovered(err, module)) from None
+            raise ValueRuleError(_uncovered(err, module, _raise_site())) from None
 
 
-def _uncovered(err: DataDependentOutputException | DynamicOutputShapeException, module: str) -> str:
-    """The one-line error for a data-dependent op that no rule answers."""
+def _uncovered(
+    err: DataDependentOutputException | DynamicOutputShapeException, module: str, line: str = ""
+) -> str:
+    """The one-line error for a data-dependent op that no rule answers: the op, the module, the user's source line
+    that asked for the value, and the rule to add."""
     func = err.func
     if func is _SCALAR:
         example, what = "handler: branch, value: true", "the value of .item(), .tolist() or bool()"
@@ -224,7 +251,7 @@ def _uncovered(err: DataDependentOutputException | DynamicOutputShapeException, 
         example, what = "handler: size, value: <output length>", "its output shape"
     else:
         example, what = "handler: value, value: <number>", "its result"
-    return _missing(str(func), module, example, what, type(err).__name__)
+    return _missing(str(func), module, example, what, type(err).__name__, line)
 
 
 @contextlib.contextmanager
@@ -243,6 +270,7 @@ def use_rules(rules: ValueRules, root: torch.nn.Module | None = None) -> Iterato
         with ValueRuleMode(rules) if answers else contextlib.nullcontext():
             yield rules
     except (DataDependentOutputException, DynamicOutputShapeException) as err:
-        raise ValueRuleError(_uncovered(err, _raising_module(err, root))) from None
+        line = _source_line(traceback.walk_tb(err.__traceback__))
+        raise ValueRuleError(_uncovered(err, _raising_module(err, root), line)) from None
     finally:
         _active = saved
