@@ -550,3 +550,24 @@ def test_rank_identity_conflicts_are_one_line_naming_both(argv, environ, needles
     msg = identity_error(argv, environ)
     for needle in needles:
         assert needle in msg, (needle, msg)
+
+
+def test_help_shows_each_job_flags_default_from_the_config(capsys):
+    """Every job flag's help ends with its default as config.py declares it (checked against a fresh JobConfig)."""
+    from hyperdryrun.commands.job import RUN_FLAGS
+    from hyperdryrun.config import JobConfig
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    raw = capsys.readouterr().out
+    text = " ".join(raw.split())
+    cfg = JobConfig()
+    for flag, (path, _, _) in RUN_FLAGS.items():
+        section, _, field = path.rpartition(".")
+        value = getattr(getattr(cfg, section) if section else cfg, field)
+        start = raw.index(f"\n  {flag}")
+        entry = " ".join(raw[start : raw.find("\n  -", start + 1)].split())
+        assert "default" in entry, (flag, entry)
+        if path in ("training.seq_len", "training.optimizer", "output_dir", "parallel.tp", "values.skew"):
+            assert f"(default: {value})" in entry, (flag, entry)
+    assert "(default: 2048)" in text and "(default: hyperdryrun_out)" in text
