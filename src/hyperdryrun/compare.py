@@ -210,12 +210,14 @@ def compare(
             "kind": a.kind,
             "peak_phase": sa.get("peak_phase"),
             "peak_op": sa.get("peak_op"),
+            "initial_bytes": sa.get("initial_bytes"),
         },
         "b": {
             "source": b.source,
             "kind": b.kind,
             "peak_phase": sb.get("peak_phase"),
             "peak_op": sb.get("peak_op"),
+            "initial_bytes": sb.get("initial_bytes"),
         },
         "peak": peak,
         "peak_without_kernel_scratch": scratch_pair,
@@ -248,6 +250,14 @@ def _peak_without_scratch(report: dict[str, Any]) -> int:
     return int(scratch.get("peak_bytes_excluding", report["summary"]["peak_bytes"]))
 
 
+def no_baseline(result: dict[str, Any]) -> str | None:
+    """``"a"`` or ``"b"``: the side that has no baseline (no bytes resident at its first task, e.g. a profiler trace
+    started after the model was built) while the other has one; None when both or neither have one."""
+    initial = {side: result[side].get("initial_bytes") for side in ("a", "b")}
+    empty = [side for side, n in initial.items() if n == 0]
+    return empty[0] if len(empty) == 1 and (initial["b" if empty[0] == "a" else "a"] or 0) > 0 else None
+
+
 def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP_BLOCKS) -> None:
     """The human view of :func:`compare`'s result: rich tables, bytes in GiB/MiB, differences as B - A (module
     rows: the ``top`` largest differences; ``--json`` has them all)."""
@@ -261,8 +271,10 @@ def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP
     def fmt(n: int | None) -> str:
         return "-" if n is None else human_bytes(n)
 
+    unbased = no_baseline(result)
+
     def pct(r: float | None) -> str:
-        return "-" if r is None else f"{100 * r:+.3f}%"
+        return "-" if r is None or unbased else f"{100 * r:+.3f}%"
 
     p = result["peak"]
     verdict = "[green]within[/]" if result["within_tolerance"] else "[red]outside[/]"
@@ -270,7 +282,7 @@ def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP
     console.print(f"B: {result['b']['source']} ({result['b']['kind']})")
     console.print(
         f"peak A {fmt(p['a'])} ({p['a']:,} B), B {fmt(p['b'])} ({p['b']:,} B): "
-        f"B - A = {p['diff']:+,} B ({pct(p['rel_error'])})"
+        f"B - A = {p['diff']:+,} B" + ("" if unbased else f" ({pct(p['rel_error'])})")
     )
 
     ns = result.get("peak_without_kernel_scratch")
@@ -282,6 +294,13 @@ def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP
             "workspaces; --with-kernel-scratch judges the full peak)"
         )
     console.print(f"{verdict} tolerance {100 * result['tolerance']:g}%")
+    if unbased:
+        other = "b" if unbased == "a" else "a"
+        console.print(
+            f"no relative figures: {unbased.upper()} has no baseline (nothing was resident when its record began, "
+            f"against {fmt(result[other]['initial_bytes'])} on {other.upper()}), so its bytes leave out what existed "
+            "before and a ratio to them means nothing; B - A shows the difference"
+        )
 
     def table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> None:
         t = Table(title=title, title_justify="left", show_edge=False)
