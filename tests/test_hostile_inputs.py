@@ -464,3 +464,9 @@ def test_a_multi_member_gzip_file_reads_whole(tmp_path):
     path.write_bytes(gzip.compress(b'{"a": 1}') + b"junk")
     with pytest.raises(Exception, match="trailing bytes"):
         read_json(path, path.read_bytes())
+
+
+def test_a_yaml_file_with_a_nul_byte_is_one_line(capsys, tmp_path):
+    # found by tests/test_fuzz.py: PyYAML's reader refuses the character while the loader is being made
+    rc, err = run_config(b"\x00", capsys, tmp_path)
+    assert_bad_input(rc, err, "--config", "is not valid YAML", "#x0000")

@@ -457,8 +457,10 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(
             f"{where} is not UTF-8 text (byte {err.start}: {raw[err.start : err.start + 1]!r})"
         ) from None
-    loader = JobFileLoader(text, max_depth, max_nodes)
+    loader = None
     try:
+        # PyYAML's reader refuses unprintable characters as the loader is made
+        loader = JobFileLoader(text, max_depth, max_nodes)
         data = loader.get_single_data()
     except _YamlLimit as err:
         raise ConfigError(f"{where} {err}") from None
@@ -467,7 +469,8 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     except RecursionError:
         raise ConfigError(f"{where} is nested deeper than Python can construct ({NESTING.hint})") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):
