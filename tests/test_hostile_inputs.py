@@ -20,22 +20,13 @@ from pathlib import Path
 import pytest
 
 from hyperdryrun.cli import main
+from hyperdryrun.ingest.files import LIMITS
 from hyperdryrun.report.schema import CSV_COLUMNS
 from tests.ingest.fixtures.make_fixtures import snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "ingest" / "fixtures"
-LIMIT_VARS = (
-    "HYPERDRYRUN_MAX_INPUT_BYTES",
-    "HYPERDRYRUN_MAX_CONFIG_BYTES",
-    "HYPERDRYRUN_MAX_DECOMPRESSED_BYTES",
-    "HYPERDRYRUN_MAX_NESTING",
-    "HYPERDRYRUN_MAX_YAML_NODES",
-    "HYPERDRYRUN_MAX_SNAPSHOT_ENTRIES",
-    "HYPERDRYRUN_MAX_FRAME_REFERENCES",
-    "HYPERDRYRUN_MAX_TASKS_PER_ROW",
-    "HYPERDRYRUN_MAX_SPAN_DEPTH",
-)
+LIMIT_VARS = tuple(limit.env for limit in LIMITS)
 
 
 @pytest.fixture(autouse=True)

@@ -56,7 +56,7 @@ _BLOCK_FIELDS = {
     "?op": (str, _NULL),
     "?module": (str, _NULL),
     "?phase": (str, _NULL),
-    "?stack": list,
+    "?stack": [{"file": str, "line": int, "function": str}],
 }
 _PEAK_FIELDS = {"?peak_bytes": (int, _NULL), "?breakdown_at_peak": {str: int}}
 REPORT_FIELDS: dict[str, Any] = {
