@@ -236,7 +236,11 @@ def test_rank_from_torchrun_environment():
             "--routing hotspot)",
         ),
         (
-            {"model": {"name": "moe-tiny"}, "values": {"routing": "explicit", "counts": [32] * 4, "skew": 3}},
+            {
+                "model": {"name": "moe-tiny"},
+                "training": {"seq_len": 64},  # 64 tokens x top 2 = 128 rows: 32 per expert
+                "values": {"routing": "explicit", "counts": [32] * 4, "skew": 3},
+            },
             "values.skew=3.0 has no effect with values.routing='explicit' (it is for values.routing: hotspot / "
             "--routing hotspot)",
         ),

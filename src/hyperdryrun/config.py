@@ -34,7 +34,7 @@ class _Strict(BaseModel):
 
 
 # Upper bounds of the shape fields: generous for any published model, small enough that the products a step forms
-# (tokens x width, the fp32 logits) fit a tensor (int64 elements and bytes); see JobConfig._shapes_fit.
+# (tokens x width, the fp32 logits) fit a tensor (int64 elements and bytes); see JobConfig._check_shapes.
 MAX_WIDTH = 1 << 22
 """dim, ffn_dim and moe_ffn_dim (the largest published: 53,248)."""
 MAX_VOCAB = 1 << 24
@@ -248,9 +248,9 @@ class JobConfig(_Strict):
             raise ValueError(problems[0])
         object.__setattr__(p, "dp_shard", dims.dp_shard)
         self._check_shapes(m)
-        self._check_effective()
         if self.model.is_moe:
             self._check_routing(m)
+        self._check_effective()
         if t.ac == "selective" and t.ac_selective != "op" and int(t.ac_selective) > m.n_layers:
             raise ValueError(f"training.ac_selective={t.ac_selective} exceeds model.n_layers={m.n_layers}")
         return self
@@ -260,6 +260,8 @@ class JobConfig(_Strict):
         micro batch (tokens x width, at 8 bytes an element at most) fits one tensor."""
         if getattr(m, "attention", "gqa") == "mla":
             rope, field = m.qk_rope_head_dim, "model.qk_rope_head_dim"
+        elif getattr(m, "head_dim_override", None):
+            rope, field = m.head_dim, f"the head dim of {self.model.name}"
         else:
             rope, field = m.head_dim, "model.dim / model.n_heads"
         if rope % 2:

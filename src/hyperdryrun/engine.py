@@ -25,7 +25,7 @@ from hyperdryrun.trace.tensors import resident_tensors
 from hyperdryrun.trace.tracker import MemoryTracker
 from hyperdryrun.world import SimulatedWorld
 from hyperdryrun.world.runtime import CudaRuntime, observed
-from hyperdryrun.world.values import ValueRules, use_rules
+from hyperdryrun.world.values import data_dependent_errors
 
 ModelFn = Callable[[], nn.Module]
 ParallelizeFn = Callable[[nn.Module, Any], nn.Module | None]
@@ -293,7 +293,7 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
                 stages.append("step")
                 t1 = time.perf_counter()
                 # no rule given: an uncovered data-dependent op (`if tensor:`) is one line naming it, not torch's
-                with use_rules(ValueRules([]), root=model):
+                with data_dependent_errors(root=model):
                     tracker, initial = traced_step(
                         world,
                         model,

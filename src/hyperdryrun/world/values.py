@@ -255,6 +255,18 @@ def _uncovered(
 
 
 @contextlib.contextmanager
+def data_dependent_errors(root: torch.nn.Module | None = None) -> Iterator[None]:
+    """Turn the fake mode's data-dependent failures in the body into one-line :class:`ValueRuleError` naming the
+    op, the module (the innermost ``forward`` of ``root`` on the traceback), the user's source line and the rule to
+    add. What :func:`hyperdryrun.engine.simulate` runs a step under when no rules are given."""
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as err:
+        line = _source_line(traceback.walk_tb(err.__traceback__))
+        raise ValueRuleError(_uncovered(err, _raising_module(err, root), line)) from None
+
+
+@contextlib.contextmanager
 def use_rules(rules: ValueRules, root: torch.nn.Module | None = None) -> Iterator[ValueRules]:
     """Make ``rules`` the active rules for the body and turn the fake mode's data-dependent failures into
     :class:`ValueRuleError` (restored on exit, also after an exception). Enter it inside the fake mode.
@@ -267,10 +279,7 @@ def use_rules(rules: ValueRules, root: torch.nn.Module | None = None) -> Iterato
     _active = rules
     answers = any(r.handler in ("branch", "value", "size") for r in rules.rules)
     try:
-        with ValueRuleMode(rules) if answers else contextlib.nullcontext():
+        with data_dependent_errors(root), ValueRuleMode(rules) if answers else contextlib.nullcontext():
             yield rules
-    except (DataDependentOutputException, DynamicOutputShapeException) as err:
-        line = _source_line(traceback.walk_tb(err.__traceback__))
-        raise ValueRuleError(_uncovered(err, _raising_module(err, root), line)) from None
     finally:
         _active = saved
