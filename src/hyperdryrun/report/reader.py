@@ -60,7 +60,12 @@ _BLOCK_FIELDS = {
 }
 _PEAK_FIELDS = {"?peak_bytes": (int, _NULL), "?breakdown_at_peak": {str: int}}
 REPORT_FIELDS: dict[str, Any] = {
-    "metadata": {"?kernel_scratch": (dict, _NULL), "?mode": (str, _NULL), "?rank": (int, _NULL)},
+    "metadata": {
+        "?kernel_scratch": (dict, _NULL),
+        "?mode": (str, _NULL),
+        "?rank": (int, _NULL),
+        "?cuda": (dict, _NULL),
+    },
     "summary": {
         "peak_bytes": int,
         "?peak_task": int,
@@ -69,6 +74,11 @@ REPORT_FIELDS: dict[str, Any] = {
         "breakdown_at_peak": {str: int},
         "?current_bytes": int,
         "?breakdown_after_step": {str: int},
+        "?initial_bytes": (int, _NULL),
+        "?capacity_bytes": (int, _NULL),
+        "?peak_reserved_bytes": int,
+        "?fragmentation_bytes": (int, _NULL),
+        "?segments_by_pool": [{"pool": str, "stream": (int, _NULL), "segments": int, "bytes": int}],
     },
     "phases": {str: _PEAK_FIELDS},
     "modules": [{"fqn": str, "?forward_peak_bytes": (int, _NULL), "?backward_peak_bytes": (int, _NULL)}],
