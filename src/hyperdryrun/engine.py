@@ -12,7 +12,7 @@ import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 from torch import nn
@@ -170,46 +170,37 @@ class JobPlan:
         )
 
 
-def job_plan(
-    model_fn: ModelFn,
-    batch_fn: BatchFn,
-    *,
-    loss_fn: LossFn | None = None,
-    step_fn: StepFn | None = None,
-    parallelize_fn: ParallelizeFn | None = None,
-    optimizer_fn: OptimizerFn | None = None,
-    init_fn: InitFn | None = None,
-    world_size: int = 1,
-    rank: int = 0,
-    local_rank: int | None = None,
-    mesh_shape: tuple[int, ...] | None = None,
-    mesh_dim_names: tuple[str, ...] | None = None,
-    target_device: str = "cuda",
-    num_micro_batches: int = 1,
-    metadata: dict[str, Any] | None = None,
-    held_fn: HeldFn | None = None,
-    cuda: CudaRuntime | None = None,
-) -> JobPlan:
+class PlanArgs(TypedDict, total=False):
+    """The keyword arguments of :func:`simulate`, ``measure`` and :func:`job_plan`: :class:`JobPlan`'s fields
+    (documented there, with their defaults) plus ``loss_fn``, the one place they are listed."""
+
+    loss_fn: LossFn | None
+    step_fn: StepFn | None
+    parallelize_fn: ParallelizeFn | None
+    optimizer_fn: OptimizerFn | None
+    init_fn: InitFn | None
+    world_size: int
+    rank: int
+    local_rank: int | None
+    mesh_shape: tuple[int, ...] | None
+    mesh_dim_names: tuple[str, ...] | None
+    target_device: str
+    num_micro_batches: int
+    metadata: dict[str, Any] | None
+    held_fn: HeldFn | None
+    cuda: CudaRuntime | None
+
+
+def job_plan(model_fn: ModelFn, batch_fn: BatchFn, **args: Unpack[PlanArgs]) -> JobPlan:
     """The plan of :func:`simulate`'s and ``measure``'s arguments: the step is ``step_fn``, or
     :func:`micro_batch_step` over ``loss_fn``; the optimizer ``optimizer_fn`` or :func:`default_optimizer`."""
-    return JobPlan(
-        model_fn,
-        batch_fn,
-        resolve_step(loss_fn, step_fn, num_micro_batches),
-        parallelize_fn=parallelize_fn,
-        optimizer_fn=optimizer_fn or default_optimizer,
-        init_fn=init_fn,
-        world_size=world_size,
-        rank=rank,
-        local_rank=local_rank,
-        mesh_shape=mesh_shape,
-        mesh_dim_names=mesh_dim_names,
-        target_device=target_device,
-        num_micro_batches=num_micro_batches,
-        metadata=dict(metadata or {}),
-        held_fn=held_fn,
-        cuda=cuda,
+    fields: dict[str, Any] = dict(args)
+    step_fn = resolve_step(
+        fields.pop("loss_fn", None), fields.pop("step_fn", None), args.get("num_micro_batches", 1)
     )
+    fields["optimizer_fn"] = fields.get("optimizer_fn") or default_optimizer
+    fields["metadata"] = dict(fields.get("metadata") or {})
+    return JobPlan(model_fn, batch_fn, step_fn, **fields)
 
 
 def _finish_fsdp_lazy_init(model: nn.Module) -> None:
@@ -232,23 +223,7 @@ def _materialize_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimi
 
 
 def simulate(
-    model_fn: ModelFn,
-    batch_fn: BatchFn,
-    *,
-    loss_fn: LossFn | None = None,
-    step_fn: StepFn | None = None,
-    parallelize_fn: ParallelizeFn | None = None,
-    optimizer_fn: OptimizerFn | None = None,
-    world_size: int = 1,
-    rank: int = 0,
-    local_rank: int | None = None,
-    mesh_shape: tuple[int, ...] | None = None,
-    mesh_dim_names: tuple[str, ...] | None = None,
-    target_device: str = "cuda",
-    num_micro_batches: int = 1,
-    capture_stacks: bool = True,
-    metadata: dict[str, Any] | None = None,
-    cuda: CudaRuntime | None = None,
+    model_fn: ModelFn, batch_fn: BatchFn, *, capture_stacks: bool = True, **plan: Unpack[PlanArgs]
 ) -> StepTrace:
     """Dry-run one training step of your own model as rank ``rank`` of ``world_size``.
 
@@ -257,25 +232,10 @@ def simulate(
     ``optimizer_fn(params)`` builds the optimizer; ``batch_fn(i, device)`` makes micro batch ``i``;
     ``loss_fn(model, batch)`` returns the loss, or ``step_fn(model, optimizer, batches)`` runs the whole step.
     ``cuda``: the GPU, caching-allocator settings and runtime costs of a CUDA target (``metadata["cuda"]``).
+    The other keywords (:class:`PlanArgs`) are :class:`JobPlan`'s fields: ``world_size``, ``rank``, ``local_rank``,
+    ``mesh_shape``, ``mesh_dim_names``, ``target_device`` (``"cuda"``), ``num_micro_batches``, ``metadata``.
     """
-    plan = job_plan(
-        model_fn,
-        batch_fn,
-        loss_fn=loss_fn,
-        step_fn=step_fn,
-        parallelize_fn=parallelize_fn,
-        optimizer_fn=optimizer_fn,
-        world_size=world_size,
-        rank=rank,
-        local_rank=local_rank,
-        mesh_shape=mesh_shape,
-        mesh_dim_names=mesh_dim_names,
-        target_device=target_device,
-        num_micro_batches=num_micro_batches,
-        metadata=metadata,
-        cuda=cuda,
-    )
-    return simulate_plan(plan, capture_stacks=capture_stacks)
+    return simulate_plan(job_plan(model_fn, batch_fn, **plan), capture_stacks=capture_stacks)
 
 
 def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:

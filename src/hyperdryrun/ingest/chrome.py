@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from hyperdryrun.ingest.events import AllocEvent, normalize_device, trace_from_events
+from hyperdryrun.ingest.events import AllocEvent, implicit_residents, normalize_device, trace_from_events
 from hyperdryrun.ingest.files import SPAN_DEPTH, IngestError, user_file
 from hyperdryrun.trace.blocks import Phase
 from hyperdryrun.trace.stacks import Frame
@@ -289,16 +289,7 @@ def chrome_events(
 
 def _unallocated_frees(events: list[AllocEvent]) -> int:
     """Bytes freed in the window of storages the window never allocated (they were alive when it began)."""
-    live: set[Any] = set()
-    total = 0
-    for e in events:
-        if e.nbytes > 0:
-            live.add(e.key)
-        elif e.key in live:
-            live.discard(e.key)
-        else:
-            total -= e.nbytes
-    return total
+    return sum(e.nbytes for e in implicit_residents(events, set()))
 
 
 def trace_from_chrome(

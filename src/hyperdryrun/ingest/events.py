@@ -133,7 +133,7 @@ def _select(events: Iterable[AllocEvent], device: str | None) -> list[AllocEvent
     return sorted(chosen, key=lambda e: e.time_ns)  # stable: simultaneous events keep the source's order
 
 
-def _implicit_residents(events: list[AllocEvent], resident_keys: set[Hashable]) -> list[AllocEvent]:
+def implicit_residents(events: list[AllocEvent], resident_keys: set[Hashable]) -> list[AllocEvent]:
     """Storages the window frees but never allocates: they were alive when it began."""
     live = set(resident_keys)
     found = []
@@ -169,7 +169,7 @@ def trace_from_events(
     """
     evs = _select(events, device)
     seeds = [r for r in resident if r.nbytes > 0 and (device is None or same_device(r.device, device))]
-    seeds += _implicit_residents(evs, {r.key for r in seeds})
+    seeds += implicit_residents(evs, {r.key for r in seeds})
     b = _Builder(alignment)
     for r in seeds:
         if r.key in b.live:

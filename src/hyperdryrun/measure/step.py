@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
@@ -20,13 +20,9 @@ from torch.utils._pytree import tree_leaves
 from hyperdryrun import recipe
 from hyperdryrun.engine import (
     BatchFn,
-    HeldFn,
-    InitFn,
     JobPlan,
-    LossFn,
     ModelFn,
-    OptimizerFn,
-    ParallelizeFn,
+    PlanArgs,
     SimulationError,
     StepFn,
     job_plan,
@@ -86,21 +82,9 @@ def measure(
     model_fn: ModelFn,
     batch_fn: BatchFn,
     *,
-    loss_fn: LossFn | None = None,
-    step_fn: StepFn | None = None,
-    parallelize_fn: ParallelizeFn | None = None,
-    optimizer_fn: OptimizerFn | None = None,
-    init_fn: InitFn | None = None,
-    world_size: int = 1,
-    rank: int = 0,
-    local_rank: int | None = None,
-    mesh_shape: tuple[int, ...] | None = None,
-    mesh_dim_names: tuple[str, ...] | None = None,
     device: str = "cpu",
-    num_micro_batches: int = 1,
     capture_stacks: bool = True,
-    metadata: dict[str, Any] | None = None,
-    held_fn: HeldFn | None = None,
+    **plan: Unpack[PlanArgs],
 ) -> StepTrace:
     """Execute one training step for real, after one untracked warm-up step, and return its measured trace.
 
@@ -109,24 +93,7 @@ def measure(
     storages that the step function keeps from one step to the next, as ``(tensor, category, module)`` (e.g. a
     pipeline schedule's receive buffers): alive when profiling starts, they are seeded like the parameters.
     """
-    p = job_plan(
-        model_fn,
-        batch_fn,
-        loss_fn=loss_fn,
-        step_fn=step_fn,
-        parallelize_fn=parallelize_fn,
-        optimizer_fn=optimizer_fn,
-        init_fn=init_fn,
-        world_size=world_size,
-        rank=rank,
-        local_rank=local_rank,
-        mesh_shape=mesh_shape,
-        mesh_dim_names=mesh_dim_names,
-        target_device=device,
-        num_micro_batches=num_micro_batches,
-        metadata=metadata,
-        held_fn=held_fn,
-    )
+    p = job_plan(model_fn, batch_fn, target_device=device, **plan)
     return measure_plan(p, device=device, capture_stacks=capture_stacks)
 
 
