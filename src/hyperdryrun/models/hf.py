@@ -8,6 +8,7 @@ parallelized from outside by :mod:`hyperdryrun.parallel.hf`. transformers is an 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from hyperdryrun.models.llama import local_shard
+from hyperdryrun.patches import Patch, PatchSet
 
 HF_PREFIX = "hf:"
 CONFIG_DIR = Path(__file__).with_name("hf_configs")
@@ -286,7 +288,25 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def hf_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of an HF causal LM for ``tokens`` (no KV cache in training)."""
-    return model(input_ids=tokens, use_cache=False).logits
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    with PatchSet(_one_sequence_per_row()) if isinstance(tokens, FakeTensor) else contextlib.nullcontext():
+        return model(input_ids=tokens, use_cache=False).logits
+
+
+def _one_sequence_per_row() -> list[Patch]:
+    from transformers import masking_utils
+
+    return [
+        Patch(
+            masking_utils,
+            "find_packed_sequence_indices",
+            lambda position_ids: None,
+            "transformers 5.x find_packed_sequence_indices cannot read fake position ids (is_tracing is true for a "
+            "FakeTensor) and reports packed sequences, so the causal mask is materialised; a real run finds one "
+            "sequence per row (the recipe's positions are 0..seq_len-1) and runs SDPA with is_causal and no mask",
+        )
+    ]
 
 
 def hf_pipeline_cut(model: nn.Module, layers: range, embedding: bool, head: bool) -> None:

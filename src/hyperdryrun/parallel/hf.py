@@ -135,34 +135,42 @@ def _routed_forward(
 
 
 class ExpertsRoutingMode(TorchDispatchMode):
-    """Answers the data-dependent ops of HF's eager experts loop from per-expert token counts: the first
-    ``nonzero`` (the experts hit) has one row per expert with tokens, each later one (``torch.where`` of an
-    expert's mask) that expert's token count; ``bool(expert_idx == num_experts)`` (the sentinel) is False."""
+    """Answers the data-dependent ops of HF's eager experts loop from per-expert token counts. The loop runs over
+    the experts hit (the first ``nonzero``: one row per expert with tokens); each iteration starts with
+    ``bool(expert_idx == num_experts)`` (the sentinel: False), indexes by ``expert_idx`` (``.item()``: the expert)
+    and takes ``torch.where`` of the expert's mask (a ``nonzero``: its token count)."""
 
     def __init__(self, fqn: str, counts: list[int]) -> None:
         super().__init__()
         self.fqn = fqn
-        self.hit = [c for c in counts if c > 0]
-        self.nonzeros = 0
+        self.ids = [e for e, c in enumerate(counts) if c > 0]
+        self.counts = [counts[e] for e in self.ids]
+        self.expert = -1
+        """Position in ``ids`` of the expert the loop is at (-1: before the loop)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         try:
             return func(*args, **kwargs)
         except DynamicOutputShapeException:
-            if func is not _NONZERO or self.nonzeros > len(self.hit):
+            if func is not _NONZERO or self.expert >= len(self.ids):
                 raise ValueRuleError(self._unexpected(func)) from None
-            rows = len(self.hit) if self.nonzeros == 0 else self.hit[self.nonzeros - 1]
-            self.nonzeros += 1
+            rows = len(self.ids) if self.expert < 0 else self.counts[self.expert]
             x = args[0]
             return torch.empty((rows, x.dim()), dtype=torch.long, device=x.device)
         except DataDependentOutputException:
-            if func is not _SCALAR or args[0].dtype != torch.bool:
+            if func is not _SCALAR:
                 raise ValueRuleError(self._unexpected(func)) from None
-            return False
+            if args[0].dtype == torch.bool:
+                self.expert += 1
+                return False
+            if self.expert < 0 or self.expert >= len(self.ids) or args[0].is_floating_point():
+                raise ValueRuleError(self._unexpected(func)) from None
+            return self.ids[self.expert]
 
     def _unexpected(self, func: Any) -> str:
         return (
             f"data-dependent op {func} in HF experts {self.fqn!r} is not one of the eager experts loop's "
-            "(nonzero of the hits, torch.where per expert, the sentinel check); use --experts-implementation grouped_mm"
+            "(nonzero of the hits, the sentinel check, the expert index, torch.where per expert); "
+            "use --experts-implementation grouped_mm"
         )
