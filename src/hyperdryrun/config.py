@@ -246,7 +246,9 @@ class JobConfig(_Strict):
         if problems:
             raise ValueError(problems[0])
         object.__setattr__(p, "dp_shard", dims.dp_shard)
-        if hf.is_hf_name(self.model.name) and (hf_problems := hf.layout_problems(m, p)):
+        mixed = t.param_dtype not in (None, t.dtype) or t.reduce_dtype not in (None, t.dtype)
+        fsdp_off = dims.dp_shard * p.dp_replicate * p.cp == 1 and not mixed
+        if hf.is_hf_name(self.model.name) and (hf_problems := hf.layout_problems(m, p, fsdp_off)):
             raise ValueError(hf_problems[0])
         if self.model.is_moe:
             self._check_routing(m)

@@ -237,9 +237,10 @@ def load_args(name: str) -> HFArgs:
     return HFArgs(name, read_config(name))
 
 
-def layout_problems(args: HFArgs, parallel: Any) -> list[str]:
+def layout_problems(args: HFArgs, parallel: Any, fsdp_off: bool = False) -> list[str]:
     """Why the job's parallel layout cannot run this HF model (one line each): pipeline, context and expert
-    parallel are not built, and TP needs the model's own tp plan, column/row-wise only."""
+    parallel are not built, and TP needs the model's own tp plan, column/row-wise only, and FSDP2 (``fsdp_off``:
+    the job applies none)."""
     p, out = parallel, []
     for degree in ("pp", "cp", "ep", "etp"):
         if getattr(p, degree) > 1:
@@ -251,6 +252,11 @@ def layout_problems(args: HFArgs, parallel: Any) -> list[str]:
             out.append(
                 f"parallel.tp={p.tp}: {args.name} ({args.model_type}) has no base_model_tp_plan in its config class, "
                 "so there is no TP plan to apply"
+            )
+        if fsdp_off:
+            out.append(
+                f"parallel.tp={p.tp} for Hugging Face models needs FSDP2 (dp > 1 or mixed precision): without it "
+                "the norms stay plain tensors beside DTensor weights, which the optimizer cannot step together"
             )
         for flag in ("sequence_parallel", "loss_parallel"):
             if getattr(p, flag):
