@@ -65,10 +65,7 @@ class ModelConfig(_Strict):
             return v
         names = preset_names()
         if v not in names:
-            raise ValueError(
-                f"unknown model {v!r}; choose one of {', '.join(names)}, or {hf.HF_PREFIX}NAME "
-                f"({', '.join(hf.shipped_configs())} or a path)"
-            )
+            raise ValueError(f"unknown model {v!r}; choose one of {', '.join(names)}")
         return v
 
     @model_validator(mode="after")
