@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hyperdryrun.ingest.files import CONFIG_BYTES, NESTING, YAML_NODES, IngestError, read_bytes
+from hyperdryrun.models import hf
 from hyperdryrun.models.registry import ModelFamily, family_of, preset_names
 from hyperdryrun.parallel.dims import ParallelDims, PipelineSchedule, stages_per_rank
 from hyperdryrun.world.runtime import CudaRuntime
@@ -66,14 +67,34 @@ class ModelConfig(_Strict):
     moe_ffn_dim: int | None = Field(None, gt=0, le=MAX_WIDTH)
     num_shared_experts: int | None = Field(None, ge=0, le=MAX_HEADS)
     n_dense_layers: int | None = Field(None, ge=0, le=MAX_LAYERS)
+    # --- Hugging Face models (name "hf:NAME", hyperdryrun.models.hf) ---
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] | None = None
+    """HF attention kernel (config._attn_implementation); None: sdpa."""
+    experts_implementation: Literal["grouped_mm", "eager", "batched_mm"] | None = None
+    """HF MoE experts kernel; None: transformers' default (grouped_mm)."""
 
     @field_validator("name")
     @classmethod
     def _known_preset(cls, v: str) -> str:
+        if hf.is_hf_name(v):
+            hf.transformers_module()
+            hf.read_config(v)
+            return v
         names = preset_names()
         if v not in names:
             raise ValueError(f"unknown model {v!r}; choose one of {', '.join(names)}")
         return v
+
+    @model_validator(mode="after")
+    def _hf_fields_need_hf(self) -> ModelConfig:
+        if not hf.is_hf_name(self.name):
+            for f in ("attn_implementation", "experts_implementation"):
+                if getattr(self, f) is not None:
+                    raise ValueError(
+                        f"model.{f}={getattr(self, f)} applies to Hugging Face models (hf:NAME) only, "
+                        f"{self.name!r} is a built-in preset"
+                    )
+        return self
 
     @model_validator(mode="after")
     def _moe_fields_need_moe(self) -> ModelConfig:
@@ -92,11 +113,15 @@ class ModelConfig(_Strict):
 
     @property
     def is_moe(self) -> bool:
+        if hf.is_hf_name(self.name):
+            return self.args().is_moe
         return self.family.is_moe
 
     def args(self) -> Any:
         """The preset's shapes with this config's overrides (an instance of the family's argument class)."""
         overrides = {k: v for k, v in self.model_dump(exclude={"name"}).items() if v is not None}
+        if hf.is_hf_name(self.name):
+            return hf.load_args(self.name).replace(**overrides)
         return self.family.presets[self.name].replace(**overrides)
 
 
@@ -247,6 +272,10 @@ class JobConfig(_Strict):
         if problems:
             raise ValueError(problems[0])
         object.__setattr__(p, "dp_shard", dims.dp_shard)
+        mixed = t.param_dtype not in (None, t.dtype) or t.reduce_dtype not in (None, t.dtype)
+        fsdp_off = dims.dp_shard * p.dp_replicate * p.cp == 1 and not mixed
+        if hf.is_hf_name(self.model.name) and (hf_problems := hf.layout_problems(m, p, fsdp_off)):
+            raise ValueError(hf_problems[0])
         self._check_shapes(m)
         if self.model.is_moe:
             self._check_routing(m)

@@ -57,6 +57,16 @@ def llama_loss(model, batch) -> torch.Tensor:
     return cross_entropy_loss(model(tokens), labels)
 
 
+def loss_fn(cfg: JobConfig):
+    """The micro batch's loss: token cross entropy of the model's logits (HF models: the family's ``logits``)."""
+    logits = cfg.model.family.logits
+    return (
+        llama_loss
+        if logits is None
+        else lambda model, batch: cross_entropy_loss(logits(model, batch[0]), batch[1])
+    )
+
+
 def loss_context(cfg: JobConfig):
     if cfg.parallel.tp > 1 and cfg.parallel.loss_parallel:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -204,7 +214,7 @@ def plan(cfg: JobConfig) -> JobPlan:
             "received buffer is freed when the ring drops it (on CUDA, NCCL's stream may hold it a little longer)"
         )
     else:
-        step_fn = micro_batch_step(llama_loss, cfg.training.num_micro_batches, loss_context(cfg))
+        step_fn = micro_batch_step(loss_fn(cfg), cfg.training.num_micro_batches, loss_context(cfg))
         parallelize_fn = parallelize(cfg)
     if cfg.model.is_moe:
         limitations.extend(moe_limitations(cfg))

@@ -15,7 +15,7 @@ from hyperdryrun.models.moe import MoEArgs, MoETransformer
 
 
 def test_every_preset_belongs_to_its_family():
-    assert [f.name for f in registry.families()] == ["llama", "moe"]
+    assert [f.name for f in registry.families()] == ["llama", "moe", "hf"]
     for name in PRESETS:
         assert registry.family_of(name) is registry.LLAMA
     for name in MOE_PRESETS:

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from hyperdryrun.config import TORCHRUN_VARS, ConfigError, JobConfig, build_config, load_yaml, rank_from_env
 from hyperdryrun.ingest.files import Limit
+from hyperdryrun.models.hf import HF_PREFIX, shipped_configs
 from hyperdryrun.models.registry import presets_help
 
 
@@ -29,7 +30,22 @@ _int_list.__name__ = "comma-separated list of integers"
 # flag -> (config path, type, help).
 _BOOL = "bool"
 RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
-    "--model": ("model.name", str, f"model preset ({presets_help()})"),
+    "--model": (
+        "model.name",
+        str,
+        f"model preset ({presets_help()}) or a Hugging Face config "
+        f"({', '.join(HF_PREFIX + n for n in shipped_configs())}, or {HF_PREFIX}PATH to a directory or config.json)",
+    ),
+    "--attn-implementation": (
+        "model.attn_implementation",
+        str,
+        "Hugging Face models: attention kernel sdpa|eager|flex_attention (sdpa)",
+    ),
+    "--experts-implementation": (
+        "model.experts_implementation",
+        str,
+        "Hugging Face MoE models: experts kernel grouped_mm|eager|batched_mm (transformers' default)",
+    ),
     "--dim": ("model.dim", int, "hidden size"),
     "--n-layers": ("model.n_layers", int, "number of decoder layers"),
     "--n-heads": ("model.n_heads", int, "attention heads"),

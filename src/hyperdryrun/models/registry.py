@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from hyperdryrun.models import llama, moe
+from hyperdryrun.models import hf, llama, moe
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,10 @@ class ModelFamily:
     """Routed experts: expert parallel, the routing scenario and the MoE fields of the job config apply."""
     label: str = ""
     """How the ``--model`` help introduces this family's presets ("MoE: ..."); none for the first family."""
+    logits: Callable[[nn.Module, Any], Any] | None = None
+    """``logits(model, tokens)`` when the model's forward does not return the logits itself (Hugging Face)."""
+    prefix: str = ""
+    """Model names of the form ``<prefix>NAME`` belong to this family (``hf:``), besides its presets."""
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -56,7 +60,10 @@ def families() -> list[ModelFamily]:
 
 
 def family_of(preset: str) -> ModelFamily:
-    """The family a preset name belongs to (KeyError if none)."""
+    """The family a preset name (or a ``<prefix>NAME`` model name) belongs to (KeyError if none)."""
+    for family in _FAMILIES.values():
+        if family.prefix and preset.startswith(family.prefix):
+            return family
     return _BY_PRESET[preset]
 
 
@@ -104,3 +111,19 @@ MOE = register_family(
         label="MoE",
     )
 )
+HF = register_family(
+    ModelFamily(
+        name="hf",
+        args_cls=hf.HFArgs,
+        presets={},
+        build=hf.build_hf_model,
+        init_weights=hf.init_hf_weights,
+        pipeline_cut=hf.hf_pipeline_cut,
+        is_moe=True,
+        label="Hugging Face",
+        logits=hf.hf_logits,
+        prefix=hf.HF_PREFIX,
+    )
+)
+"""Hugging Face causal LMs (``hf:NAME``): dense or MoE by their config.json (``HFArgs.is_moe``); ``is_moe`` here
+lets the MoE layout checks and the routing scenario see them."""

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from hyperdryrun.models.registry import LLAMA, MOE, ModelFamily
+from hyperdryrun.models.registry import HF, LLAMA, MOE, ModelFamily
 from hyperdryrun.parallel.expert import apply_ep, moe_block_tp_plan, parallelize_moe
+from hyperdryrun.parallel.hf import hf_block_tp_plan, parallelize_hf
 from hyperdryrun.parallel.llama import parallelize_llama
 from hyperdryrun.parallel.tp import BlockPlan, block_tp_plan
 
@@ -68,3 +69,4 @@ LLAMA_SPEC = register_train_spec(TrainSpec(LLAMA, parallelize=parallelize_llama,
 MOE_SPEC = register_train_spec(
     TrainSpec(MOE, parallelize=parallelize_moe, tp_plan=moe_block_tp_plan, ep_plan=apply_ep)
 )
+HF_SPEC = register_train_spec(TrainSpec(HF, parallelize=parallelize_hf, tp_plan=hf_block_tp_plan))

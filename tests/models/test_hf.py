@@ -1,0 +1,198 @@
+"""Hugging Face causal LMs (``--model hf:NAME``): shipped configs, dry run vs real execution, the built-in preset
+of the same shape, MoE routing, TP from the model's own plan, and the CLI."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+from hyperdryrun.config import ConfigError, build_config  # noqa: E402
+from hyperdryrun.measure.accuracy import compare_job  # noqa: E402
+from hyperdryrun.models import hf  # noqa: E402
+from hyperdryrun.recipe import run_job  # noqa: E402
+
+SMALL = {"n_layers": 2, "dim": 128, "n_heads": 4, "n_kv_heads": 1, "ffn_dim": 448, "vocab_size": 512}
+"""The accuracy suite's "llama3-8b shape, 2 layers, width 128" row."""
+TINY = {"n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96, "vocab_size": 256}
+CPU = {"training": {"seq_len": 64, "param_dtype": "fp32"}, "target_device": "cpu"}
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "active"),
+    [
+        # The model cards' totals: Llama-3.1-8B 8,030,261,248; Qwen2.5-7B 7.62B; Qwen3-30B-A3B 30.5B total, 3.3B
+        # active; Mixtral-8x7B 46.7B total (12.9B active: 2 of 8 experts).
+        ("llama-3.1-8b", 8_030_261_248, None),
+        ("qwen2.5-7b", 7.62e9, None),
+        ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+        ("mixtral-8x7b", 46.7e9, 12.9e9),
+    ],
+)
+def test_shipped_configs_build_on_meta_with_the_published_parameter_counts(name, total, active):
+    args = build_config({"model": {"name": f"hf:{name}"}}).model.args()
+    n = args.num_params()
+    if isinstance(total, int):
+        assert n == total
+    else:
+        assert round(n / 1e9, 2 if total < 10e9 else 1) == pytest.approx(total / 1e9), n
+    if active is not None:
+        assert args.is_moe
+        # the cards' one-decimal figures: Qwen writes 3.35B as "3.3B", Mistral 12.88B as "12.9B"
+        assert abs(args.num_params(active=True) - active) < 0.06e9
+    else:
+        assert not args.is_moe
+
+
+def test_hf_llama_dry_run_equals_its_real_cpu_execution_per_phase():
+    r = compare_job("hf llama", {**CPU, "model": {"name": "hf:llama-3.1-8b", **SMALL}})
+    # Measured without kernel scratch (what a dry run counts): equal to the byte, the step and every phase. The
+    # real run also allocates transformers' packed-sequence check (3 int64 vectors of 64 and a few scalars, freed at
+    # once), which the dry run answers without running; they are not live at any phase peak.
+    assert r.measured_peak_without_scratch == r.dry_peak
+    for phase, (dry, measured) in r.phase_peaks.items():
+        assert dry == measured, phase
+
+
+def test_hf_llama_matches_the_built_in_preset_of_the_same_shape():
+    hf_trace = run_job(
+        build_config({**CPU, "model": {"name": "hf:llama-3.1-8b", **SMALL}}), capture_stacks=False
+    )
+    ours = run_job(build_config({**CPU, "model": {"name": "llama3-8b", **SMALL}}), capture_stacks=False)
+    head_dim = SMALL["dim"] // SMALL["n_heads"]
+    # Both peak in the optimizer step with the same parameters, gradients and AdamW states. The one difference:
+    # the RoPE tables. The built-in keeps a complex64 freqs_cis buffer of (seq_len, head_dim/2) = 64 x 16 x 8 B;
+    # HF keeps inv_freq and original_inv_freq, fp32 of head_dim/2 each, and computes cos/sin per step.
+    rope_builtin = 64 * (head_dim // 2) * 8
+    rope_hf = 2 * (head_dim // 2) * 4
+    assert ours.peak - hf_trace.peak == rope_builtin - rope_hf == 8064
+    assert abs(ours.peak - hf_trace.peak) / ours.peak < 0.01
+
+
+def test_hf_llama_31_8b_cut_to_2_layers_is_within_1_percent_of_the_built_in_llama3_8b():
+    cfg = {"training": {"seq_len": 256}, "world": {"world_size": 8}}
+    hf_trace = run_job(build_config({**cfg, "model": {"name": "hf:llama-3.1-8b", "n_layers": 2}}), False)
+    ours = run_job(build_config({**cfg, "model": {"name": "llama3-8b", "n_layers": 2}}), False)
+    assert hf_trace.metadata["num_params"] == ours.metadata["num_params"]
+    assert abs(hf_trace.peak - ours.peak) / ours.peak < 0.01, (hf_trace.peak, ours.peak)
+
+
+def _expert_mm_sizes(trace, fqn: str) -> list[int]:
+    return sorted(
+        b.size for b in trace.blocks if b.module == fqn and b.op == "mm" and str(b.phase) == "forward"
+    )
+
+
+def test_hf_mixtral_eager_experts_take_their_token_counts_from_the_routing_scenario():
+    base = {"model": {"name": "hf:mixtral-8x7b", **TINY, "experts_implementation": "eager"}}
+    base |= {"training": {"seq_len": 64}, "target_device": "cpu"}
+    balanced = run_job(build_config(base), capture_stacks=False)
+    hot = run_job(build_config({**base, "values": {"routing": "hotspot", "hot_expert": 1, "skew": 3}}), False)
+    # 64 tokens x top-2 over 8 experts: 16 each; hotspot: expert 1 gets round(3 x 16) = 48, the other seven share
+    # the remaining 80 (12 to the three lowest, 11 to the rest). Per expert, in bf16 compute: the gate_up matmul
+    # is tokens x 2*96 x 2 B, the down matmul tokens x 64 x 2 B.
+    for trace, counts in ((balanced, [16] * 8), (hot, [12, 48, 12, 12, 11, 11, 11, 11])):
+        expected = sorted([c * 192 * 2 for c in counts] + [c * 64 * 2 for c in counts])
+        for layer in range(2):
+            assert _expert_mm_sizes(trace, f"model.layers.{layer}.mlp.experts") == expected
+    fqn = "model.layers.0.mlp.experts"
+    assert balanced.modules[fqn].bw_peak != hot.modules[fqn].bw_peak
+    assert hot.metadata["moe"]["tokens_per_expert"] == [12, 48, 12, 12, 11, 11, 11, 11]
+
+
+def test_hf_grouped_mm_experts_do_not_depend_on_routing():
+    base = {"model": {"name": "hf:qwen3-30b-a3b", **TINY, "num_experts": 8, "top_k": 2, "moe_ffn_dim": 32}}
+    base |= {"training": {"seq_len": 64}, "target_device": "cpu"}
+    balanced = run_job(build_config(base), capture_stacks=False)
+    hot = run_job(build_config({**base, "values": {"routing": "hotspot", "skew": 3}}), capture_stacks=False)
+    # One grouped GEMM over all 64 x 2 routed rows whatever their split: the same blocks.
+    sizes = lambda t: Counter((b.op, b.size) for b in t.blocks)  # noqa: E731
+    assert sizes(balanced) == sizes(hot) and balanced.peak == hot.peak
+
+
+def test_tp_2_from_base_model_tp_plan_shards_attention_and_mlp():
+    # bf16 compute: FSDP2 (over dp_shard=1) holds the parameters as DTensors, the TP ones 2-D
+    cfg = {"training": {"seq_len": 64}, "target_device": "cpu"}
+    cfg |= {"model": {"name": "hf:llama-3.1-8b", **TINY}, "world": {"world_size": 2}}
+    cfg["parallel"] = {"tp": 2, "sequence_parallel": False, "loss_parallel": False}
+    trace = run_job(build_config(cfg), capture_stacks=False)
+    one = run_job(
+        build_config({**cfg, "model": cfg["model"], "world": {}, "parallel": {}}), capture_stacks=False
+    )
+    d, f, v, kv = 64, 96, 256, 2 * 16
+    # fp32 parameters per layer: q and o d x d, k and v d x kv, gate/up/down d x f, two norms d. colwise/rowwise
+    # halve all but the norms; the embedding stays replicated, lm_head (colwise_gather_output) is halved.
+    layer = 2 * d * d + 2 * d * kv + 3 * d * f
+    params_1 = (2 * (layer + 2 * d) + d + 2 * v * d) * 4
+    params_2 = (2 * (layer // 2 + 2 * d) + d + v * d + v * d // 2) * 4
+    param_bytes = lambda t: sum(  # noqa: E731
+        b.size for b in t.blocks if b.op == "initialization" and str(b.category) == "Parameter"
+    )
+    assert param_bytes(one) == params_1
+    assert param_bytes(trace) == params_2
+
+
+def test_tp_without_a_plan_and_unsupported_layouts_are_one_line_errors(tmp_path):
+    config = json.loads((hf.CONFIG_DIR / "llama-3.1-8b.json").read_text())
+    config |= {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"parallel.tp=2: .* \(gpt2\) has no base_model_tp_plan") as err:
+        build_config({"model": {"name": f"hf:{tmp_path}"}, "world": {"world_size": 2}, "parallel": {"tp": 2}})
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel=True is not supported"):
+        build_config(
+            {"model": {"name": "hf:llama-3.1-8b"}, "world": {"world_size": 2}, "parallel": {"tp": 2}}
+        )
+    with pytest.raises(ConfigError, match="parallel.tp=2 for Hugging Face models needs FSDP2"):
+        build_config(
+            {"model": {"name": "hf:llama-3.1-8b"}, "world": {"world_size": 2}, "training": {"param_dtype": "fp32"},
+             "parallel": {"tp": 2, "sequence_parallel": False, "loss_parallel": False}}
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="parallel.pp=2 is not supported for Hugging Face models"):
+        build_config(
+            {
+                "model": {"name": "hf:llama-3.1-8b"},
+                "world": {"world_size": 2},
+                "parallel": {"pp": 2},
+                "training": {"num_micro_batches": 2},
+            }
+        )
+
+
+def test_bad_model_names_and_fields_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.name: --model hf:nope: no shipped config 'nope'"):
+        build_config({"model": {"name": "hf:nope"}})
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"--model hf:.*config.json' is not valid JSON"):
+        build_config({"model": {"name": f"hf:{tmp_path}"}})
+    with pytest.raises(ConfigError, match="model.attn_implementation=eager applies to Hugging Face models"):
+        build_config({"model": {"name": "llama-tiny", "attn_implementation": "eager"}})
+    with pytest.raises(ConfigError, match="model.rope_theta=.* does not apply to 'hf:llama-3.1-8b'"):
+        build_config({"model": {"name": "hf:llama-3.1-8b", "rope_theta": 1.0}})
+
+
+def test_attn_implementation_reaches_the_model():
+    cfg = build_config({**CPU, "model": {"name": "hf:llama-3.1-8b", **TINY, "attn_implementation": "eager"}})
+    model = hf.build_hf_model(cfg.model.args(), 64)
+    assert model.config._attn_implementation == "eager"
+    eager = run_job(cfg, capture_stacks=False)
+    sdpa = run_job(build_config({**CPU, "model": {"name": "hf:llama-3.1-8b", **TINY}}), capture_stacks=False)
+    # eager attention materialises the (bs, heads, seq, seq) fp32 scores and probabilities SDPA does not
+    assert eager.phase_peak != sdpa.phase_peak
+
+
+def test_cli_runs_a_shipped_hf_config(tmp_path, capsys):
+    from hyperdryrun.cli import main
+
+    rc = main(
+        ["run", "--model", "hf:llama-3.1-8b", "--n-layers", "1", "--dim", "64", "--n-heads", "4",
+         "--n-kv-heads", "2", "--ffn-dim", "96", "--vocab-size", "256", "--seq-len", "32",
+         "--output-dir", str(tmp_path), "--quiet"]
+    )  # fmt: skip
+    assert rc == 0
+    report = json.loads((tmp_path / "rank_0" / "rank_0_memory.json").read_text())
+    assert report["metadata"]["model"] == "hf:llama-3.1-8b"
+    assert report["metadata"]["model_args"]["config"]["num_hidden_layers"] == 1
