@@ -34,6 +34,7 @@ SLOW = (
     "tests/commands/test_exit_codes.py",
     "tests/integrations/test_torchtitan.py",
     "tests/measure/",
+    "tests/models/test_hf.py",
     "tests/parallel/test_context.py",
     "tests/parallel/test_expert.py",
     "tests/parallel/test_pipeline.py",
@@ -50,6 +51,90 @@ SLOW = (
 inner loop (CI runs everything)."""
 
 
+SLOW_TESTS = frozenset(
+    {
+        "tests/allocator/test_replay.py::test_a_dry_run_replays_with_reserved_bytes_covering_the_live_bytes",
+        "tests/audit/test_audit_kernels_command.py::test_a_bad_reference_file_is_a_one_line_error_naming_the_flag_and_file_and_exit_2",
+        "tests/audit/test_audit_kernels_command.py::test_the_shipped_reference_matches_and_an_unrecordable_layer_is_skipped",
+        "tests/audit/test_backward.py::test_walking_the_autograd_graph_issues_the_same_backward_ops_as_the_engine",
+        "tests/audit/test_reference.py::test_the_runtime_does_not_import_the_audit_package",
+        "tests/commands/test_host_cost.py::test_no_memory_check_measures_anyway",
+        "tests/commands/test_host_cost.py::test_ten_million_ranks_in_a_real_process_stop_within_a_minute",
+        "tests/commands/test_host_cost.py::test_the_estimate_bounds_what_a_measured_step_really_holds",
+        "tests/integrations/test_child.py::test_a_segmentation_fault_is_named_by_its_signal",
+        "tests/integrations/test_compile.py::test_compiled_region_runs_eagerly_with_the_eager_bytes_and_a_limitation",
+        "tests/integrations/test_flex.py::test_compiled_block_mask_allocates_only_the_block_mask_tensors",
+        "tests/integrations/test_flex.py::test_flex_forward_outputs_and_saved_tensors",
+        "tests/integrations/test_flex.py::test_selective_checkpointing_saves_or_recomputes_the_flex_call",
+        "tests/models/test_moe.py::test_dry_run_peak_equals_real_cpu_execution_of_the_same_moe_step",
+        "tests/models/test_moe.py::test_preset_parameter_counts_match_the_published_shapes",
+        "tests/parallel/test_train_spec.py::test_a_registered_family_runs_through_config_and_recipe",
+        "tests/report/test_device_memory.py::test_a_capacity_that_fits_reports_device_headroom",
+        "tests/report/test_device_memory.py::test_alloc_conf_comes_from_the_job_else_from_the_variable",
+        "tests/report/test_device_memory.py::test_allocated_reserved_device_are_ordered_and_the_summary_has_every_device_key",
+        "tests/report/test_device_memory.py::test_gpu_presets_set_the_capacity_the_sdpa_kernel_and_the_cublas_workspace",
+        "tests/report/test_device_memory.py::test_runtime_cost_settings_come_from_the_job_else_the_variables",
+        "tests/report/test_device_memory.py::test_the_console_shows_allocated_reserved_and_device_at_a_glance",
+        "tests/report/test_device_memory.py::test_the_oom_verdict_is_on_device_bytes_for_a_job_that_fits_in_allocated_bytes",
+        "tests/report/test_device_memory.py::test_without_a_gpu_or_capacity_there_is_no_verdict",
+        "tests/report/test_device_memory.py::test_without_outside_costs_the_caching_allocator_tips_it",
+        "tests/report/test_reader.py::test_a_csv_that_is_not_the_reports_own_is_refused",
+        "tests/report/test_reader.py::test_a_report_from_before_the_hash_still_loads",
+        "tests/report/test_reader.py::test_a_report_loads_with_its_own_csv",
+        "tests/report/test_reader.py::test_compare_of_a_mismatched_pair_is_one_line_exit_2",
+        "tests/test_architecture.py::test_no_import_cycles",
+        "tests/test_bytes.py::test_bf16_storage_halves_parameter_and_state_bytes",
+        "tests/test_bytes.py::test_buffers_are_the_rope_table_of_the_sequence_length",
+        "tests/test_bytes.py::test_fused_adamw_keeps_its_step_counters_on_the_device",
+        "tests/test_bytes.py::test_one_rank_holds_exactly_twice_the_parameter_bytes_of_each_of_two",
+        "tests/test_bytes.py::test_sgd_with_momentum_keeps_one_state_per_parameter",
+        "tests/test_bytes.py::test_tensor_parallel_shards_each_weight_along_its_plan_dimension",
+        "tests/test_bytes.py::test_tied_embeddings_store_the_shared_table_once",
+        "tests/test_bytes.py::test_uneven_fsdp_shards_give_padded_params_and_grads_and_unpadded_optimizer_states",
+        "tests/test_cli.py::test_bad_input_is_one_line_error_and_writes_nothing",
+        "tests/test_cli.py::test_flags_override_yaml",
+        "tests/test_cli.py::test_large_device_memory_fits_and_exit_0",
+        "tests/test_cli.py::test_real_process_exit_code_and_one_line_stderr",
+        "tests/test_cli.py::test_successful_run_writes_exactly_the_rank_files",
+        "tests/test_cli.py::test_tiny_device_memory_is_oom_and_exit_1",
+        "tests/test_cli.py::test_torchrun_env_gives_rank_when_no_rank_flag",
+        "tests/test_cli.py::test_unwritable_output_dir_is_one_line_error",
+        "tests/test_compare.py::test_a_csv_alone_rebuilds_the_reports_peak_and_phase_peaks",
+        "tests/test_compare.py::test_a_report_against_itself_has_zero_error",
+        "tests/test_compare_reserved.py::test_compare_puts_a_snapshot_beside_a_dry_run_on_reserved_fragmentation_and_pools",
+        "tests/test_compare_reserved.py::test_two_sides_without_the_allocator_have_no_reserved_section",
+        "tests/test_engine.py::test_dtensor_speedup_changes_no_block",
+        "tests/test_engine.py::test_dtensor_speedup_patch_undone_after_run_and_after_failure",
+        "tests/test_engine.py::test_one_plan_gives_the_same_residents_and_roles_in_the_dry_run_and_measured",
+        "tests/test_engine.py::test_prepare_reaches_the_steady_state_of_step_two_on_fake_and_on_real_tensors",
+        "tests/test_engine.py::test_run_and_measure_execute_the_same_recipe_plan",
+        "tests/test_fuzz.py::test_a_sample_of_hostile_files_in_a_capped_process",
+        "tests/test_fuzz.py::test_any_block_csv_is_read_or_refused_on_one_line",
+        "tests/test_fuzz.py::test_any_bytes_are_refused_on_one_line",
+        "tests/test_fuzz.py::test_any_chrome_trace_is_read_or_refused_on_one_line",
+        "tests/test_fuzz.py::test_any_report_json_is_read_or_refused_on_one_line",
+        "tests/test_fuzz.py::test_any_snapshot_pickle_is_read_or_refused_on_one_line",
+        "tests/test_fuzz.py::test_any_yaml_job_file_is_accepted_or_refused_on_one_line",
+        "tests/test_hostile_inputs.py::test_bombs_in_a_capped_process_are_refused_quickly",
+        "tests/test_hostile_inputs.py::test_yaml_nested_20000_deep_is_one_line_naming_the_limit",
+        "tests/test_smoke.py::test_blocks_reconstruct_tracker_peak_exactly",
+        "tests/trace/test_blocks.py::test_blocks_reconstruct_the_peak_exactly",
+        "tests/trace/test_blocks.py::test_report_peak_live_set_is_the_blocks_alive_at_the_peak_largest_first",
+        "tests/trace/test_streams.py::test_a_step_communicates_on_its_mesh_groups_only",
+        "tests/viz/test_html.py::test_the_page_loads_nothing_from_outside",
+        "tests/viz/test_plots.py::test_a_reserved_line_is_drawn_in_its_colour",
+        "tests/viz/test_plots.py::test_every_rank_gets_a_timeline_and_a_breakdown_and_the_ranks_share_one_axis",
+        "tests/viz/test_plots.py::test_report_plot_writes_the_page_and_the_pngs",
+        "tests/viz/test_snapshot.py::test_torch_memory_viz_renders_the_snapshot",
+        "tests/viz/test_snapshot.py::test_torch_memory_viz_stats_accounts_every_byte",
+        "tests/world/test_fsdp_patches.py::test_unsharded_accumulated_gradients_under_pipelining_are_gradients",
+        "tests/world/test_kernels.py::test_layer_allocates_and_saves_exactly_what_the_cuda_reference_does",
+    }
+)
+"""Single tests (all their parameters) that took over 1.5 s in a timed run of the rest (`pytest -m "not slow"
+--durations=0`): also marked ``slow``, so the inner loop stays under a minute."""
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: runs real steps, child processes or a browser (CI runs them)")
 
@@ -57,5 +142,5 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.nodeid.split("::", 1)[0]
-        if path.startswith(SLOW):
+        if path.startswith(SLOW) or item.nodeid.split("[", 1)[0] in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
