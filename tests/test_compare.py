@@ -37,6 +37,7 @@ KEYS = {
     "judged_on",
     "tolerance",
     "within_tolerance",
+    "step_only",
     "categories_at_peak",
     "phases",
     "modules",

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyperdryrun.report.build import build_report
-from hyperdryrun.trace.blocks import CATEGORY_ORDER, STEP_PHASES
+from hyperdryrun.trace.blocks import CATEGORY_ORDER, STEP_PHASES, Category, Phase, live_bytes_by_task
+from hyperdryrun.trace.step import StepTrace
 
 DEFAULT_TOLERANCE = 0.01
 TOP_BLOCKS = 10
@@ -30,6 +31,77 @@ class Side:
     source: str
     kind: str
     report: dict[str, Any]
+    trace: StepTrace | None = None
+    """Its blocks over the whole step (a trace, a snapshot, a CSV, or a report's CSV): what the step-only
+    comparison reads; None for a report without its CSV."""
+
+
+STEP_ONLY = (
+    "the blocks allocated during the step (not those alive when it began), without the input batch (category "
+    "Other: a record begun after the data was loaded does not see it), each labelled by the phase that allocated it "
+    "as a record without tensor roles does (forward, recompute: Activation; backward, optimizer: Temp), at the "
+    "peak of their own live bytes"
+)
+PHASE_CATEGORY = {
+    Phase.FORWARD: Category.ACTIVATION,
+    Phase.RECOMPUTE: Category.ACTIVATION,
+    Phase.BACKWARD: Category.TEMP,
+    Phase.OPTIMIZER: Category.TEMP,
+}
+
+
+def step_allocations(trace: StepTrace) -> dict[str, Any]:
+    """One side's figures of :data:`STEP_ONLY` (``peak``, ``task``, ``categories`` there, ``input_bytes``: the
+    batch allocated during the step) and its baseline (``initial_bytes``, ``baseline_categories``: the blocks alive
+    when the step began, by category)."""
+    made, baseline = [], {str(c): 0 for c in CATEGORY_ORDER}
+    input_bytes = 0
+    for blk in trace.blocks:
+        if blk.phase is Phase.INITIALIZATION:
+            baseline[str(blk.category or Category.OTHER)] += blk.size
+        elif blk.category is Category.OTHER:
+            input_bytes += blk.size
+        else:
+            made.append(blk)
+    live = live_bytes_by_task(made, trace.num_tasks)
+    peak = max(live, default=0)
+    task = live.index(peak) if live else -1
+    categories = {str(c): 0 for c in (Category.ACTIVATION, Category.TEMP)}
+    for blk in made:
+        if blk.start <= task < blk.end:
+            categories[str(PHASE_CATEGORY[blk.phase])] += blk.size
+    return {
+        "peak": peak,
+        "task": task,
+        "categories": categories,
+        "input_bytes": input_bytes,
+        "initial_bytes": sum(baseline.values()),
+        "baseline_categories": baseline,
+    }
+
+
+def step_comparison(a: Side, b: Side) -> dict[str, Any] | None:
+    """:data:`STEP_ONLY` for both sides (``peak``, ``categories_at_peak``, ``input_data``) and, apart, the baseline
+    difference (``baseline``: bytes alive when each side's record began, in total and by category); None when a side
+    has no blocks over the step (a report without its CSV)."""
+    if a.trace is None or b.trace is None:
+        return None
+    x, y = step_allocations(a.trace), step_allocations(b.trace)
+    return {
+        "rule": STEP_ONLY,
+        "peak": _pair(x["peak"], y["peak"]),
+        "peak_task": {"a": x["task"], "b": y["task"]},
+        "categories_at_peak": {c: _pair(x["categories"][c], y["categories"][c]) for c in x["categories"]},
+        "input_data": _pair(x["input_bytes"], y["input_bytes"]),
+        "baseline": {
+            "bytes": _pair(x["initial_bytes"], y["initial_bytes"]),
+            "categories": {
+                c: _pair(x["baseline_categories"][c], y["baseline_categories"][c])
+                for c in x["baseline_categories"]
+                if x["baseline_categories"][c] or y["baseline_categories"][c]
+            },
+        },
+    }
 
 
 def as_report(loaded: Any) -> dict[str, Any]:
@@ -181,7 +253,9 @@ def compare(
     ``categories_at_peak``, ``phases``, ``modules`` (names both sides know),
     ``blocks`` (``matching`` rule, ``live_sets_complete``, ``only_in_a``/``only_in_b``: count, bytes, ``top``
     largest), ``reserved`` (:func:`reserved_comparison`; None unless both sides have the caching allocator's
-    figures).
+    figures), ``step_only`` (:func:`step_comparison`: what both sides see, and the baseline difference apart; None
+    unless both sides have their blocks). When one side has no baseline (:func:`no_baseline`), the verdict is the
+    step-only peak's (``judged_on`` ``"step_only"``).
     """
     ra, rb = a.report, b.report
     sa, sb = ra["summary"], rb["summary"]
@@ -204,7 +278,7 @@ def compare(
     only_a, only_b = unmatched_blocks(la["blocks"], lb["blocks"])
 
     complete = la["shown"] == la["num_blocks"] and lb["shown"] == lb["num_blocks"]
-    return {
+    result = {
         "a": {
             "source": a.source,
             "kind": a.kind,
@@ -224,6 +298,7 @@ def compare(
         "judged_on": judged,
         "tolerance": tolerance,
         "within_tolerance": rel is not None and abs(rel) <= tolerance,
+        "step_only": step_comparison(a, b),
         "categories_at_peak": categories,
         "phases": phases,
         "modules": _modules(ra, rb),
@@ -243,6 +318,12 @@ def compare(
             },
         },
     }
+    step = result["step_only"]
+    if no_baseline(result) and step is not None:  # whole-step figures leave out one side's residents
+        result["judged_on"] = "step_only"
+        rel = step["peak"]["rel_error"]
+        result["within_tolerance"] = rel is not None and abs(rel) <= tolerance
+    return result
 
 
 def _peak_without_scratch(report: dict[str, Any]) -> int:
@@ -293,23 +374,47 @@ def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP
             f"({pct(ns['rel_error'])}){' <- judged' if judged else ''} (a dry run does not count kernel "
             "workspaces; --with-kernel-scratch judges the full peak)"
         )
-    console.print(f"{verdict} tolerance {100 * result['tolerance']:g}%")
+    step = result.get("step_only")
+    on_step = result["judged_on"] == "step_only"
+    console.print(
+        f"{verdict} tolerance {100 * result['tolerance']:g}%" + (" on the step only" if on_step else "")
+    )
     if unbased:
         other = "b" if unbased == "a" else "a"
         console.print(
-            f"no relative figures: {unbased.upper()} has no baseline (nothing was resident when its record began, "
-            f"against {fmt(result[other]['initial_bytes'])} on {other.upper()}), so its bytes leave out what existed "
-            "before and a ratio to them means nothing; B - A shows the difference"
+            f"no relative figures for the whole step: {unbased.upper()} has no baseline (nothing was resident when "
+            f"its record began, against {fmt(result[other]['initial_bytes'])} on {other.upper()}), so its bytes "
+            "leave out what existed before and a ratio to them means nothing; B - A shows the difference"
+            + ("; the step only is compared below" if step else "")
         )
 
-    def table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> None:
+    def table(title: str, rows: list[tuple[str, dict[str, Any]]], relative: bool = False) -> None:
         t = Table(title=title, title_justify="left", show_edge=False)
         for col in ("", "A", "B", "B - A", "rel"):
             t.add_column(col, justify="left" if not col else "right")
         for name, row in rows:
             diff = "-" if row["diff"] is None else f"{row['diff']:+,} B"
-            t.add_row(name, fmt(row["a"]), fmt(row["b"]), diff, pct(row["rel_error"]))
+            rel = "-" if row["rel_error"] is None else f"{100 * row['rel_error']:+.3f}%"
+            t.add_row(name, fmt(row["a"]), fmt(row["b"]), diff, rel if relative else pct(row["rel_error"]))
         console.print(t)
+
+    if unbased and step:
+        sp = step["peak"]
+        console.print(f"step only: {step['rule']}")
+        table(
+            "step only: its peak and the categories there" + (" <- judged" if on_step else ""),
+            [
+                ("peak", sp),
+                *step["categories_at_peak"].items(),
+                ("input batch (left out)", step["input_data"]),
+            ],
+            relative=True,
+        )
+        base = step["baseline"]
+        table(
+            "baseline, apart: bytes alive when each record began",
+            [("total", base["bytes"]), *base["categories"].items()],
+        )
 
     table(
         "categories at each side's peak",

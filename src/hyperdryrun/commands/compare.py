@@ -45,14 +45,20 @@ def register(subparsers: Any) -> None:
 
 
 def _side(path: str, device: str | None) -> Side:
+    """One side as read from ``path``, with its blocks over the step where it has them (a report's own CSV)."""
+    from pathlib import Path
+
     from hyperdryrun.report.reader import load_any
 
     loaded = load_any(path, device)
     if isinstance(loaded, dict):
         kind = f"report ({(loaded.get('metadata') or {}).get('mode', 'dry-run')})"
+        csv_path = Path(path).with_suffix(".csv")
+        trace = load_any(csv_path) if csv_path.exists() else None  # load_any checked it is the report's own
     else:
         kind = str(loaded.metadata.get("source_kind", "trace"))
-    return Side(path, kind, as_report(loaded))
+        trace = loaded
+    return Side(path, kind, as_report(loaded), trace)
 
 
 def run(args: argparse.Namespace) -> int:

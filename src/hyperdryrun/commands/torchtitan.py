@@ -1,5 +1,6 @@
 """``hyperdryrun torchtitan``: dry-run one training step of a torchtitan job as it is (torchtitan's own ``--module``,
-``--config`` and overrides) for one rank, in a child process, and write the reports."""
+``--config`` and overrides) for one rank, in a child process, and write the reports; ``--measure`` executes the
+same step for real on the CPU instead (the ground truth, as ``hyperdryrun measure`` is for ``run``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import traceback
 from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, fail, one_line
+from hyperdryrun.commands.measure import CPU_ONLY_NOTE
 from hyperdryrun.config import ConfigError, JobConfig, rank_from_env
 
 _DEFAULTS = JobConfig.model_fields
@@ -49,6 +51,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("--local-rank", type=int, help="local rank (default: $LOCAL_RANK, else the rank)")
     p.add_argument("--n-layers", type=int, help="keep only the model's first N layers (CPU time)")
     p.add_argument(
+        "--attention",
+        choices=("sdpa",),
+        help="replace every layer's inner attention: sdpa (torchtitan's ScaledDotProductAttention, causal), which "
+        "runs forward and backward on the CPU (default: the config's, FlexAttention for llama3)",
+    )
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="execute the step for real on the CPU (a warm-up step, then one under torch.profiler) instead of "
+        "dry-running it; same report format, metadata.mode 'measured' (needs --attention sdpa for FlexAttention "
+        "models; compare with a dry run of --attention sdpa --target-device cpu)",
+    )
+    p.add_argument(
         "--target-device",
         choices=("cuda", "cpu"),
         default=_DEFAULTS["target_device"].default,
@@ -83,7 +98,7 @@ def _identity(args: argparse.Namespace) -> dict[str, int | None]:
 
 def _error_metadata(options: dict[str, Any]) -> dict[str, Any]:
     return {
-        "mode": "dry-run",
+        "mode": "measured" if options.get("measure") else "dry-run",
         "rank": options["rank"],
         "world_size": options["world_size"],
         "torchtitan": {"argv": list(options["argv"])},
@@ -95,6 +110,8 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
     ``paths`` and a one-line ``error`` (None when it ran). Module level, so that a spawned child can run it."""
     from hyperdryrun.engine import SimulationError
     from hyperdryrun.integrations.torchtitan import TorchtitanError, infer_world_size, simulate_torchtitan
+    from hyperdryrun.measure.step import MeasureError
+    from hyperdryrun.measure.torchtitan import measure_torchtitan
     from hyperdryrun.report import blocks_csv, build_report, error_report, write_error_report, write_reports
 
     options = dict(options)
@@ -111,16 +128,21 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
                 raise TorchtitanError(
                     f"--rank: must satisfy 0 <= rank < world_size={options['world_size']} (got {rank})"
                 )
-        trace = simulate_torchtitan(
-            options["argv"],
-            world_size=options["world_size"],
-            rank=rank,
-            local_rank=options["local_rank"],
-            n_layers=options["n_layers"],
-            target_device=options["target_device"],
-            capture_stacks=options["capture_stacks"],
-        )
-    except TorchtitanError as err:
+        job = {
+            "world_size": options["world_size"],
+            "rank": rank,
+            "local_rank": options["local_rank"],
+            "n_layers": options["n_layers"],
+            "capture_stacks": options["capture_stacks"],
+            "attention": options.get("attention"),
+        }
+        if options.get("measure"):
+            trace = measure_torchtitan(options["argv"], **job)
+            if options["target_device"] != "cpu":
+                trace.limitations.append(CPU_ONLY_NOTE.format(target=options["target_device"]))
+        else:
+            trace = simulate_torchtitan(options["argv"], target_device=options["target_device"], **job)
+    except (TorchtitanError, MeasureError) as err:
         return {"report": {}, "paths": [], "error": str(err)}
     except SimulationError as err:
         message = f"rank {rank}: {err.stage} failed: {type(err.error).__name__}: {err.error}"
@@ -172,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
         "argv": list(args.torchtitan_args),
         **identity,
         "n_layers": args.n_layers,
+        "attention": args.attention,
+        "measure": args.measure,
         "target_device": args.target_device,
         "device_memory_gib": args.device_memory_gib,
         "output_dir": args.output_dir,
@@ -194,8 +218,9 @@ def run(args: argparse.Namespace) -> int:
         return fail(one_line(outcome["error"]), None, False)
     s = outcome["report"]["summary"]
     if args.quiet:
+        what = "measured peak" if args.measure else "peak"
         Console().print(
-            f"peak {s['peak_gib']:.2f} GiB ({s['peak_phase']}); {s.get('verdict', '')}".rstrip("; ")
+            f"{what} {s['peak_gib']:.2f} GiB ({s['peak_phase']}); {s.get('verdict', '')}".rstrip("; ")
         )
     else:
         print_summary(outcome["report"], outcome["paths"])

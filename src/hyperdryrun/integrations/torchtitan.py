@@ -132,7 +132,8 @@ def _device_patches(simulation_device: str) -> list[Patch]:
     return patches
 
 
-def _titan_patches() -> list[Patch]:
+def _titan_patches(real: bool = False) -> list[Patch]:
+    """What torchtitan needs on fake tensors (``real``: executed for real, its parameter initialisation runs)."""
     import torchtitan.distributed.activation_checkpoint as titan_ac
     import torchtitan.protocols.module as titan_module
 
@@ -142,7 +143,7 @@ def _titan_patches() -> list[Patch]:
     def keep_lru_cache() -> None:
         return None
 
-    return [
+    no_init = [
         Patch(
             titan_module.Module,
             "_init_self_parameters",
@@ -151,6 +152,9 @@ def _titan_patches() -> list[Patch]:
             "sampling reads values (if not mask.any()), which fake tensors lack; parameter values do not change "
             "memory (buffers are still initialised)",
         ),
+    ]
+    return [
+        *([] if real else no_init),
         Patch(
             titan_ac,
             "_disable_dynamo_lru_cache",
@@ -214,6 +218,10 @@ class TorchtitanJob:
     local_rank: int | None = None
     n_layers: int | None = None
     target_device: str = "cuda"
+    attention: str | None = None
+    """``"sdpa"``: every layer's inner attention becomes torchtitan's ScaledDotProductAttention (None: as configured)."""
+    real: bool = False
+    """Executed for real (``measure``): no value rules, parameters initialised by torchtitan itself."""
     config: Any = None
     limitations: list[str] = dataclasses.field(default_factory=list)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -299,6 +307,8 @@ class TorchtitanJob:
             self.limitations.append(
                 f"the model is cut to its first {self.n_layers} of {layers} layers (--n-layers)"
             )
+        if self.attention is not None:
+            self._use_attention(model_config)
         if not t.disable_cuda_graphs:
             self.limitations.append(
                 "training.disable_cuda_graphs=False: on a CUDA GPU torchtitan captures forward+backward in a CUDA "
@@ -315,6 +325,29 @@ class TorchtitanJob:
             "labels made on the device"
         )
         self._fill_metadata(dims, layers)
+
+    def _use_attention(self, model_config: Any) -> None:
+        """Every layer's inner attention as ``--attention`` asks (only ``sdpa``: torchtitan's maskless
+        ScaledDotProductAttention, ``is_causal``), e.g. to run a step on the CPU, where FlexAttention has no
+        backward (torch 2.13)."""
+        from torchtitan.models.common.attention import ScaledDotProductAttention
+
+        if self.attention != "sdpa":
+            raise TorchtitanError(f"--attention: must be 'sdpa' (got {self.attention!r})")
+        replaced = set()
+        for layer in model_config.layers:
+            attention = getattr(layer, "attention", None)
+            inner = getattr(attention, "inner_attention", None)
+            if inner is not None and not isinstance(inner, ScaledDotProductAttention.Config):
+                replaced.add(type(inner).__qualname__.removesuffix(".Config"))
+                attention.inner_attention = ScaledDotProductAttention.Config()
+        if replaced:
+            self.limitations.append(
+                f"--attention sdpa: torchtitan's {', '.join(sorted(replaced))} replaced by its "
+                "ScaledDotProductAttention (is_causal, no mask); for these synthetic batches (one document per row) "
+                "the block-causal mask it would build is the causal one, so the attention computed is the same, "
+                "but the kernels and their memory are SDPA's"
+            )
 
     def _dp_shard(self) -> int:
         p = self.config.parallelism
@@ -444,11 +477,11 @@ class TorchtitanJob:
     def _steady_state_zero_grad(self, optimizers: Any) -> None:
         """The warm-up step that precedes the traced one ends as torchtitan's step 1 does: train_step starts with
         ``zero_grad(set_to_none=training.disable_cuda_graphs)``, so with CUDA graphs on (the default) gradients
-        are zeroed in place and step 2 starts with them allocated. One call, then the container's own method."""
+        are zeroed in place and step 2 starts with them allocated. Every call (the dry run's and the measured
+        run's set-up included) uses torchtitan's ``set_to_none``, the only value its train_step passes."""
         set_to_none = self.config.training.disable_cuda_graphs
 
         def zero_grad(**_: Any) -> None:
-            del optimizers.zero_grad
             type(optimizers).zero_grad(optimizers, set_to_none=set_to_none)
 
         optimizers.zero_grad = zero_grad
@@ -498,11 +531,40 @@ class TorchtitanJob:
         rules = ValueRules(
             [ValueRule(module="", op="aten._local_scalar_dense.default", handler="value", value=tokens)]
         )
-        with use_rules(rules, root=model):
+        with contextlib.nullcontext() if self.real else use_rules(rules, root=model):
             Trainer.train_step(trainer, batches)
 
+    def plan(self) -> Any:
+        """This job as an :class:`~hyperdryrun.engine.JobPlan` (after :meth:`prepare`): the one set-up that the dry
+        run and ``measure`` both run. Parameters get their values from torchtitan's ``init_weights``, which
+        :meth:`build_optimizers` calls."""
+        from hyperdryrun.engine import job_plan
 
-def simulate_torchtitan(
+        return job_plan(
+            self.build_model,
+            self.make_batch,
+            step_fn=self.step,
+            parallelize_fn=self.parallelize,
+            optimizer_fn=self.build_optimizers,
+            init_fn=_initialised_later,
+            world_size=self.world_size,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            mesh_shape=(self.world_size,),
+            mesh_dim_names=("world",),
+            target_device=self.target_device,
+            num_micro_batches=self.gradient_accumulation_steps,
+            metadata=self.metadata,
+        )
+
+
+def _initialised_later(model: nn.Module) -> None:
+    """No values at materialisation: torchtitan's ``init_weights`` runs when its optimizers are built."""
+    return None
+
+
+@contextlib.contextmanager
+def torchtitan_job(
     argv: Sequence[str],
     *,
     world_size: int,
@@ -510,12 +572,12 @@ def simulate_torchtitan(
     local_rank: int | None = None,
     n_layers: int | None = None,
     target_device: str = "cuda",
-    capture_stacks: bool = True,
-) -> Any:
-    """Dry-run one training step of a torchtitan job (torchtitan's own command line) as rank ``rank`` of
-    ``world_size``; returns the :class:`~hyperdryrun.engine.StepTrace`. Bad input raises :class:`TorchtitanError`,
-    a failure inside the simulation :class:`~hyperdryrun.engine.SimulationError`."""
-    from hyperdryrun.engine import simulate
+    attention: str | None = None,
+    real: bool = False,
+) -> Iterator[TorchtitanJob]:
+    """A prepared :class:`TorchtitanJob` for rank ``rank`` of ``world_size``, inside the patches and restored
+    globals that torchtitan needs on this machine (``real``: executed for real, parameters initialised by
+    torchtitan). Bad input raises :class:`TorchtitanError`."""
     from hyperdryrun.world import default_simulation_device
 
     version = torchtitan_version()
@@ -529,28 +591,41 @@ def simulate_torchtitan(
         raise TorchtitanError(f"--rank: must satisfy 0 <= rank < world_size={world_size} (got {rank})")
     import torchtitan.trainer  # noqa: F401  (imports the modules whose device globals are patched)
 
-    job = TorchtitanJob(list(argv), world_size, rank, local_rank, n_layers, target_device)
+    job = TorchtitanJob(list(argv), world_size, rank, local_rank, n_layers, target_device, attention, real)
     if version != TESTED_VERSION:
         job.limitations.append(f"torchtitan {version} is not the tested {TESTED_VERSION}")
-    device = default_simulation_device()
-    with _restored_torchtitan_globals(), PatchSet(_device_patches(device) + _titan_patches()):
+    device = "cpu" if real else default_simulation_device()
+    with _restored_torchtitan_globals(), PatchSet(_device_patches(device) + _titan_patches(real)):
         job.prepare()
-        trace = simulate(
-            job.build_model,
-            job.make_batch,
-            step_fn=job.step,
-            parallelize_fn=job.parallelize,
-            optimizer_fn=job.build_optimizers,
-            world_size=world_size,
-            rank=rank,
-            local_rank=local_rank,
-            mesh_shape=(world_size,),
-            mesh_dim_names=("world",),
-            target_device=target_device,
-            num_micro_batches=job.gradient_accumulation_steps,
-            capture_stacks=capture_stacks,
-            metadata=job.metadata,
-        )
+        yield job
+
+
+def simulate_torchtitan(
+    argv: Sequence[str],
+    *,
+    world_size: int,
+    rank: int = 0,
+    local_rank: int | None = None,
+    n_layers: int | None = None,
+    target_device: str = "cuda",
+    capture_stacks: bool = True,
+    attention: str | None = None,
+) -> Any:
+    """Dry-run one training step of a torchtitan job (torchtitan's own command line) as rank ``rank`` of
+    ``world_size``; returns the :class:`~hyperdryrun.engine.StepTrace`. Bad input raises :class:`TorchtitanError`,
+    a failure inside the simulation :class:`~hyperdryrun.engine.SimulationError`."""
+    from hyperdryrun.engine import simulate_plan
+
+    with torchtitan_job(
+        argv,
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        n_layers=n_layers,
+        target_device=target_device,
+        attention=attention,
+    ) as job:
+        trace = simulate_plan(job.plan(), capture_stacks=capture_stacks)
     trace.limitations = [*trace.limitations, *job.limitations]
     return trace
 

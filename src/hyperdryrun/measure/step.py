@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any, Unpack
 
 import torch
@@ -97,10 +97,14 @@ def measure(
     return measure_plan(p, device=device, capture_stacks=capture_stacks)
 
 
-def measure_plan(plan: JobPlan, device: str = "cpu", capture_stacks: bool = True) -> StepTrace:
+def measure_plan(
+    plan: JobPlan, device: str = "cpu", capture_stacks: bool = True, gradients_on_accumulation: bool = False
+) -> StepTrace:
     """Execute ``plan`` for real on ``device``: set up with real values and a warm-up step (:func:`prepare`), then
     one step under torch.profiler; its allocations as a trace in the dry run's schema (``metadata.mode`` is
-    ``"measured"``). A failure is a :class:`SimulationError` naming the stage."""
+    ``"measured"``). ``gradients_on_accumulation``: FSDP2's unsharded gradients count as gradients, as the dry run
+    counts them (off for the built-in recipe's measured reports). A failure is a :class:`SimulationError` naming
+    the stage."""
     timings: dict[str, float] = {}
     stages = ["world"]
     t0 = time.perf_counter()
@@ -115,7 +119,13 @@ def measure_plan(plan: JobPlan, device: str = "cpu", capture_stacks: bool = True
             resident = resident_events([*resident_tensors(model, optimizer), *held], device=device)
             del held
             t1 = time.perf_counter()
-            prof = _profile_step(plan.step_fn, model, optimizer, _marked_batches(plan, torch.device(device)))
+            prof = _profile_step(
+                plan.step_fn,
+                model,
+                optimizer,
+                _marked_batches(plan, torch.device(device)),
+                gradients_on_accumulation,
+            )
             timings["step"] = time.perf_counter() - t1
             stages.append("trace")
             events = events_from_profiler(prof, module_names=names, device=device)
@@ -153,7 +163,7 @@ def measure_plan(plan: JobPlan, device: str = "cpu", capture_stacks: bool = True
     return trace
 
 
-def _marked_batches(plan: JobPlan, device: torch.device) -> Iterator[Any]:
+def _marked_batches(plan: JobPlan, device: torch.device) -> Generator[Any, None, None]:
     """The plan's micro batches, each announced to the profiler and its tensors marked as input data ("Other",
     as the dry run labels them: input, not activations)."""
     for i in range(plan.num_micro_batches):
@@ -202,15 +212,21 @@ def module_stats(model: nn.Module, trace: StepTrace) -> dict[str, ModuleStats]:
     return stats
 
 
-def _profile_step(step_fn: StepFn, model: nn.Module, optimizer: torch.optim.Optimizer, batches) -> Any:
+def _profile_step(
+    step_fn: StepFn,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Generator[Any, None, None],
+    gradients_on_accumulation: bool = False,
+) -> Any:
     """The step under torch.profiler, with markers for the roles of parameters, gradients and states
     (:class:`~hyperdryrun.trace.roles.RoleMarker`, the tracker's rules)."""
     from torch.profiler import ProfilerActivity, profile
 
-    # Without the dry run's marking on accumulation: measured reports have counted FSDP2's unsharded gradients,
-    # which its reduce-scatter frees before the optimizer runs, as backward temporaries; counting them as gradients
-    # (as the dry run does) is a change to every measured FSDP report, to be made on its own.
-    roles = RoleMarker(mark, gradients_on_accumulation=False)
+    # Without the dry run's marking on accumulation (the default): measured reports have counted FSDP2's unsharded
+    # gradients, which its reduce-scatter frees before the optimizer runs, as backward temporaries; counting them as
+    # gradients (as the dry run does) is a change to every measured FSDP report, to be made on its own.
+    roles = RoleMarker(mark, gradients_on_accumulation=gradients_on_accumulation)
     with (
         roles.hooked(),
         profile(
@@ -221,6 +237,9 @@ def _profile_step(step_fn: StepFn, model: nn.Module, optimizer: torch.optim.Opti
         ) as prof,
     ):
         step_fn(model, optimizer, batches)
+        # A step that takes exactly its micro batches (torchtitan's train_step calls next() n times) leaves the
+        # generator suspended on its last batch; the dry run's generator is dropped when the step returns.
+        batches.close()
         roles.step_done(model, optimizer)
     return prof
 
