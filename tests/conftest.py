@@ -32,7 +32,7 @@ def tiny_trace():
 SLOW = (
     "tests/accuracy/",
     "tests/commands/test_exit_codes.py",
-    "tests/integrations/test_torchtitan.py",
+    "tests/integrations/test_torchtitan",
     "tests/measure/",
     "tests/models/test_hf.py",
     "tests/parallel/test_context.py",
