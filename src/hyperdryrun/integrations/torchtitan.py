@@ -23,7 +23,7 @@ import logging
 import math
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import torch
 from torch import nn
@@ -563,23 +563,28 @@ def _initialised_later(model: nn.Module) -> None:
     return None
 
 
+class JobArgs(TypedDict, total=False):
+    """Who runs a torchtitan job and how (the keywords of :func:`torchtitan_job`, :func:`simulate_torchtitan` and
+    ``measure_torchtitan``): the rank identity, a layer count cut, the target device, the attention swap."""
+
+    world_size: Required[int]
+    rank: int
+    local_rank: int | None
+    n_layers: int | None
+    target_device: str
+    attention: str | None
+
+
 @contextlib.contextmanager
 def torchtitan_job(
-    argv: Sequence[str],
-    *,
-    world_size: int,
-    rank: int = 0,
-    local_rank: int | None = None,
-    n_layers: int | None = None,
-    target_device: str = "cuda",
-    attention: str | None = None,
-    real: bool = False,
+    argv: Sequence[str], *, real: bool = False, **args: Unpack[JobArgs]
 ) -> Iterator[TorchtitanJob]:
     """A prepared :class:`TorchtitanJob` for rank ``rank`` of ``world_size``, inside the patches and restored
     globals that torchtitan needs on this machine (``real``: executed for real, parameters initialised by
     torchtitan). Bad input raises :class:`TorchtitanError`."""
     from hyperdryrun.world import default_simulation_device
 
+    world_size, rank = args["world_size"], args.get("rank", 0)
     version = torchtitan_version()
     if version is None:
         raise TorchtitanError(
@@ -591,7 +596,16 @@ def torchtitan_job(
         raise TorchtitanError(f"--rank: must satisfy 0 <= rank < world_size={world_size} (got {rank})")
     import torchtitan.trainer  # noqa: F401  (imports the modules whose device globals are patched)
 
-    job = TorchtitanJob(list(argv), world_size, rank, local_rank, n_layers, target_device, attention, real)
+    job = TorchtitanJob(
+        list(argv),
+        world_size,
+        rank,
+        args.get("local_rank"),
+        args.get("n_layers"),
+        args.get("target_device", "cuda"),
+        args.get("attention"),
+        real,
+    )
     if version != TESTED_VERSION:
         job.limitations.append(f"torchtitan {version} is not the tested {TESTED_VERSION}")
     device = "cpu" if real else default_simulation_device()
@@ -601,30 +615,14 @@ def torchtitan_job(
 
 
 def simulate_torchtitan(
-    argv: Sequence[str],
-    *,
-    world_size: int,
-    rank: int = 0,
-    local_rank: int | None = None,
-    n_layers: int | None = None,
-    target_device: str = "cuda",
-    capture_stacks: bool = True,
-    attention: str | None = None,
+    argv: Sequence[str], *, capture_stacks: bool = True, **job_args: Unpack[JobArgs]
 ) -> Any:
     """Dry-run one training step of a torchtitan job (torchtitan's own command line) as rank ``rank`` of
     ``world_size``; returns the :class:`~hyperdryrun.engine.StepTrace`. Bad input raises :class:`TorchtitanError`,
     a failure inside the simulation :class:`~hyperdryrun.engine.SimulationError`."""
     from hyperdryrun.engine import simulate_plan
 
-    with torchtitan_job(
-        argv,
-        world_size=world_size,
-        rank=rank,
-        local_rank=local_rank,
-        n_layers=n_layers,
-        target_device=target_device,
-        attention=attention,
-    ) as job:
+    with torchtitan_job(argv, **job_args) as job:
         trace = simulate_plan(job.plan(), capture_stacks=capture_stacks)
     trace.limitations = [*trace.limitations, *job.limitations]
     return trace

@@ -10,8 +10,9 @@ real tensors and the fake process group, as ``hyperdryrun measure`` does.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Unpack
 
-from hyperdryrun.integrations.torchtitan import TorchtitanJob, torchtitan_job
+from hyperdryrun.integrations.torchtitan import JobArgs, TorchtitanJob, torchtitan_job
 from hyperdryrun.measure.step import CP_UNSUPPORTED, MeasureError, measure_plan
 from hyperdryrun.trace.step import StepTrace
 
@@ -38,29 +39,13 @@ def unsupported_torchtitan(job: TorchtitanJob) -> str | None:
 
 
 def measure_torchtitan(
-    argv: Sequence[str],
-    *,
-    world_size: int,
-    rank: int = 0,
-    local_rank: int | None = None,
-    n_layers: int | None = None,
-    capture_stacks: bool = True,
-    attention: str | None = None,
+    argv: Sequence[str], *, capture_stacks: bool = True, **job_args: Unpack[JobArgs]
 ) -> StepTrace:
     """Execute one training step of a torchtitan job (its own command line) for real on the CPU as rank ``rank``
     of ``world_size``, after one untracked warm-up step; its measured trace (``metadata.mode = "measured"``).
     Bad input raises :class:`~hyperdryrun.integrations.torchtitan.TorchtitanError`, a job the CPU cannot run
     :class:`~hyperdryrun.measure.step.MeasureError`."""
-    with torchtitan_job(
-        argv,
-        world_size=world_size,
-        rank=rank,
-        local_rank=local_rank,
-        n_layers=n_layers,
-        target_device="cpu",
-        attention=attention,
-        real=True,
-    ) as job:
+    with torchtitan_job(argv, **{**job_args, "target_device": "cpu"}, real=True) as job:
         why = unsupported_torchtitan(job)
         if why:
             raise MeasureError(why)
