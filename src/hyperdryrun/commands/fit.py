@@ -42,11 +42,15 @@ SPACE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--pp": ("pp", _ints, "pipeline degrees to try (1,2,4,8)"),
     "--cp": ("cp", _ints, "context parallel degrees to try (1)"),
     "--ep": ("ep", _ints, "expert parallel degrees to try, MoE models (1,2,4,8)"),
-    "--pp-schedule": ("pp_schedules", _words, "pipeline schedules to try (1F1B,Interleaved1F1B)"),
+    "--pp-schedule": ("pp_schedules", _words, "pipeline schedules to try (1F1B; multi-stage ones run every micro batch: slower)"),
     "--pp-virtual-stages": ("pp_virtual_stages", _ints, "stages per rank of multi-stage schedules (2)"),
     "--micro-batch-size": ("micro_batch_sizes", _ints, "micro batch sizes to try (1,2)"),
     "--ac": ("ac", _words, "activation checkpointing modes to try (none,selective,full)"),
-    "--max-micro-batches": ("max_micro_batches", int, "leave out layouts needing more micro batches per step (64)"),
+    "--max-micro-batches": (
+        "max_micro_batches",
+        int,
+        "leave out layouts needing more micro batches per step (64)",
+    ),
 }
 
 
@@ -62,14 +66,20 @@ def register(subparsers: Any) -> None:
     p.add_argument("--config", metavar="job.yaml", help="YAML job description (its model, training, values)")
     for flag, (path, typ, help_) in JOB_FLAGS.items():
         if typ is _BOOL:
-            p.add_argument(flag, dest=_dest(flag), action=argparse.BooleanOptionalAction, default=None, help=help_)
+            p.add_argument(
+                flag, dest=_dest(flag), action=argparse.BooleanOptionalAction, default=None, help=help_
+            )
         else:
-            p.add_argument(flag, dest=_dest(flag), type=typ, default=None, help=help_, metavar=path.split(".")[-1])
+            p.add_argument(
+                flag, dest=_dest(flag), type=typ, default=None, help=help_, metavar=path.split(".")[-1]
+            )
     space = p.add_argument_group("search space")
     for flag, (field, typ, help_) in SPACE_FLAGS.items():
         space.add_argument(flag, dest=f"space_{field}", type=typ, default=None, help=help_, metavar=field)
     device = p.add_argument_group("device and batch")
-    device.add_argument("--gpu", help="GPU preset: its capacity and rates (h100-80gb, a100-80gb, h200, b200, ...)")
+    device.add_argument(
+        "--gpu", help="GPU preset: its capacity and rates (h100-80gb, a100-80gb, h200, b200, ...)"
+    )
     device.add_argument("--device-memory-gib", type=float, help="capacity per device (default: the --gpu's)")
     device.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (all ranks)")
     device.add_argument("--global-batch-seqs", type=int, help="sequences per optimizer step (all ranks)")
@@ -82,13 +92,19 @@ def register(subparsers: Any) -> None:
         device.add_argument(flag, type=float, help=f"{help_} (default: the --gpu's)")
     device.add_argument("--gpus-per-node", type=int, help="GPUs per node (8)")
     run = p.add_argument_group("running")
-    run.add_argument("--top", type=int, default=10, help="stop once the N fastest fitting layouts are known (0: all)")
+    run.add_argument(
+        "--top", type=int, default=10, help="stop once the N fastest fitting layouts are known (0: all)"
+    )
     run.add_argument("--jobs", type=int, default=None, help="simulations in parallel (default: cores)")
     run.add_argument("--executor", choices=("local", "ray"), default="local", help="local processes or Ray")
     run.add_argument("--ray-address", help="Ray cluster to connect to (default: $RAY_ADDRESS)")
-    run.add_argument("--cache-dir", help="result cache (default: $XDG_CACHE_HOME/hyperdryrun or ~/.cache/hyperdryrun)")
+    run.add_argument(
+        "--cache-dir", help="result cache (default: $XDG_CACHE_HOME/hyperdryrun or ~/.cache/hyperdryrun)"
+    )
     run.add_argument("--no-cache", action="store_true", help="neither read nor write the result cache")
-    run.add_argument("--no-shortcut", action="store_true", help="simulate every step in full (no extrapolation)")
+    run.add_argument(
+        "--no-shortcut", action="store_true", help="simulate every step in full (no extrapolation)"
+    )
     run.add_argument("--json", metavar="PATH", help="write every candidate's result as JSON")
     run.add_argument("--csv", metavar="PATH", help="write every candidate's result as CSV")
     run.add_argument("--quiet", action="store_true", help="print only the counts and the best layout")
@@ -118,7 +134,9 @@ def _base_job(args: argparse.Namespace) -> dict[str, Any]:
     except ConfigError as err:
         msg = str(err)
         field = msg.split(":", 1)[0]
-        raise ConfigError(f"{field} ({FLAG_OF[field]}){msg[len(field) :]}" if field in FLAG_OF else msg) from None
+        raise ConfigError(
+            f"{field} ({FLAG_OF[field]}){msg[len(field) :]}" if field in FLAG_OF else msg
+        ) from None
     from hyperdryrun.search.space import base_job
 
     return base_job(cfg)
@@ -144,7 +162,9 @@ def _capacity(args: argparse.Namespace) -> tuple[int, str | None]:
     from hyperdryrun.world.gpus import GiB, gpu_preset
 
     if args.gpu is None and args.device_memory_gib is None:
-        raise ConfigError("--gpu or --device-memory-gib: give the device (a GPU preset or its capacity in GiB)")
+        raise ConfigError(
+            "--gpu or --device-memory-gib: give the device (a GPU preset or its capacity in GiB)"
+        )
     if args.device_memory_gib is not None:
         if not args.device_memory_gib > 0:
             raise ConfigError(f"--device-memory-gib: must be > 0 (got {args.device_memory_gib})")
@@ -167,7 +187,9 @@ def _global_seqs(args: argparse.Namespace, seq_len: int) -> int:
             raise ConfigError(f"--global-batch-seqs: must be >= 1 (got {seqs})")
         return seqs
     if tokens < 1 or tokens % seq_len:
-        raise ConfigError(f"--global-batch-tokens: {tokens} is not a positive multiple of --seq-len {seq_len}")
+        raise ConfigError(
+            f"--global-batch-tokens: {tokens} is not a positive multiple of --seq-len {seq_len}"
+        )
     return tokens // seq_len
 
 
@@ -392,6 +414,8 @@ def _gib(n: int | None) -> str:
 
 
 def _seconds(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:,.0f} µs"
     return f"{s * 1e3:,.0f} ms" if s < 1 else f"{s:,.2f} s"
 
 
@@ -434,7 +458,8 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
         cols = ("#", "layout", "mbs x n", "AC", "est. step", "tok/s/GPU", "allocated GiB", "reserved GiB",
                 "device GiB", "headroom GiB", "worst rank", "classes", "method")  # fmt: skip
         for col in cols:
-            t.add_column(col, justify="left" if col in ("layout", "AC", "method") else "right")
+            left = col in ("layout", "AC", "method")
+            t.add_column(col, justify="left" if left else "right", no_wrap=col == "layout")
         for i, r in enumerate(ranked, 1):
             lay, w = r.candidate.layout, r.worst
             head = job.capacity_bytes - verdict_bytes(w.figures)

@@ -41,7 +41,9 @@ def job_key(cfg: JobConfig | dict[str, Any], kind: str, **extra: Any) -> str:
     """The cache key of ``cfg`` (a config or its dict) for ``kind``."""
     data = cfg if isinstance(cfg, dict) else cfg.model_dump()
     data = {k: v for k, v in data.items() if k not in _IRRELEVANT}
-    blob = json.dumps({"kind": kind, "job": data, "versions": versions(), **extra}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {"kind": kind, "job": data, "versions": versions(), **extra}, sort_keys=True, default=str
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

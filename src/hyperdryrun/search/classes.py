@@ -64,7 +64,9 @@ def local_shape(spec: ParamSpec, sizes: dict[str, int], index: dict[str, int]) -
 
 
 # ------------------------------------------------------------------------------------------------- parameters
-def _linear(name: str, out: int, inp: int, tp_dim: int | None) -> list[tuple[str, tuple[int, ...], int | None]]:
+def _linear(
+    name: str, out: int, inp: int, tp_dim: int | None
+) -> list[tuple[str, tuple[int, ...], int | None]]:
     return [(f"{name}.weight", (out, inp), tp_dim)]
 
 
@@ -257,7 +259,9 @@ class RankClass:
         return ", ".join(parts)
 
 
-def rank_key(cfg: JobConfig, rank: int, params: dict[tuple[int, ...], list[ParamSpec]] | None = None) -> tuple:
+def rank_key(
+    cfg: JobConfig, rank: int, params: dict[tuple[int, ...], list[ParamSpec]] | None = None
+) -> tuple:
     """What decides rank ``rank``'s memory profile (see the module docstring); equal keys, equal profiles."""
     dims = cfg.dims
     c = dims.coordinates(rank)

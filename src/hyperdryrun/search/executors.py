@@ -138,7 +138,9 @@ class LocalExecutor:
                         how = f"exit code {proc.exitcode}"
                         if proc.exitcode is not None and proc.exitcode < 0:
                             how = f"killed by {signal.Signals(-proc.exitcode).name}"
-                        result = TaskResult(task.key, error=f"the worker process died ({how})", error_kind="internal")
+                        result = TaskResult(
+                            task.key, error=f"the worker process died ({how})", error_kind="internal"
+                        )
                     yield result
         finally:
             for conn, proc in procs.items():
@@ -150,7 +152,9 @@ class LocalExecutor:
     @staticmethod
     def _start(ctx: Any, procs: dict[Any, Any]) -> Any:
         here, there = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=_worker, args=(there, os.getpid()), name="hyperdryrun-fit-worker", daemon=True)
+        proc = ctx.Process(
+            target=_worker, args=(there, os.getpid()), name="hyperdryrun-fit-worker", daemon=True
+        )
         old = _block_stop_signals()
         try:
             proc.start()
@@ -191,7 +195,9 @@ def _worker(conn: Any, parent_pid: int) -> None:
         try:
             result = run_task(task)
         except BaseException as err:  # pragma: no cover - run_task catches Exception
-            result = TaskResult(task.key, error=one_line(f"{type(err).__name__}: {err}"), error_kind="internal")
+            result = TaskResult(
+                task.key, error=one_line(f"{type(err).__name__}: {err}"), error_kind="internal"
+            )
             traceback.print_exc()
         conn.send(result)
     sys.stdout.flush()
@@ -232,11 +238,15 @@ class RayExecutor:
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS")
             if not address:
-                raise ValueError("--executor ray: give --ray-address HOST:PORT (or set RAY_ADDRESS) of a running cluster")
+                raise ValueError(
+                    "--executor ray: give --ray-address HOST:PORT (or set RAY_ADDRESS) of a running cluster"
+                )
             try:
                 ray.init(address=address, log_to_driver=False)
             except Exception as err:
-                raise ValueError(f"--ray-address {address!r}: cannot connect to the Ray cluster: {one_line(str(err))}") from None
+                raise ValueError(
+                    f"--ray-address {address!r}: cannot connect to the Ray cluster: {one_line(str(err))}"
+                ) from None
         self.jobs = jobs or max(1, int(ray.cluster_resources().get("CPU", 1)))
         self._remote = ray.remote(num_cpus=1, max_retries=0)(run_task)
 
@@ -261,7 +271,11 @@ class RayExecutor:
                     try:
                         yield ray.get(ref)
                     except Exception as err:
-                        yield TaskResult(task.key, error=one_line(f"ray: {type(err).__name__}: {err}"), error_kind="internal")
+                        yield TaskResult(
+                            task.key,
+                            error=one_line(f"ray: {type(err).__name__}: {err}"),
+                            error_kind="internal",
+                        )
         finally:
             for ref in in_flight:
                 with contextlib.suppress(Exception):

@@ -173,8 +173,8 @@ class Plan:
     varies_x: bool
     varies_m: bool
     num_stages: int = 1
-    mb_edge: int = EDGE
-    """Micro batches at each end keyed by their own place (1F1B: the warm-up's forwards and cool-down's backwards)."""
+    regimes: MicroBatchRegimes | None = None
+    """How the step's micro batches fall into runs of alike ones (when the plan varies their number)."""
     stage_counts: Callable[[int], list[int]] | None = field(default=None, repr=False)
     """Layers of every pipeline stage of a sample (pp > 1)."""
 
@@ -219,11 +219,9 @@ def plan_for(cfg: JobConfig) -> tuple[Plan | None, str]:
     base0 = 2 * EDGE + 1  # one middle layer in the smallest sample
     target_x = run_min - base0
     varies_x = target_x >= 3
-    mb_edge = _micro_batch_edge(cfg)
-    m0 = 2 * (mb_edge or 0) + 1
-    if p.pp > 1:
-        m0 = max(m0, p.pp_num_stages)  # 1F1B needs as many micro batches as stages
-    varies_m = mb_edge is not None and t.num_micro_batches - m0 >= 3
+    regimes = micro_batch_regimes(cfg)
+    m0 = regimes.min_micro_batches if regimes else 0
+    varies_m = regimes is not None and t.num_micro_batches - m0 >= 3
     if not varies_x and not varies_m:
         return None, "too few layers and micro batches to save by sampling"
     if varies_x:
@@ -240,7 +238,15 @@ def plan_for(cfg: JobConfig) -> tuple[Plan | None, str]:
     else:
         points = [SamplePoint(x, target_m) for x in xs]
     plan = Plan(
-        stages, base_run, target_x, target_m, points, varies_x, varies_m, p.pp_num_stages, mb_edge or EDGE
+        stages,
+        base_run,
+        target_x,
+        target_m,
+        points,
+        varies_x,
+        varies_m,
+        p.pp_num_stages,
+        regimes if varies_m else None,
     )
     if p.pp > 1:
         counts = _stage_counts_solver(cfg, plan, n_dense)
@@ -255,17 +261,56 @@ def plan_for(cfg: JobConfig) -> tuple[Plan | None, str]:
     return plan, ""
 
 
-def _micro_batch_edge(cfg: JobConfig) -> int | None:
-    """How many micro batches at each end of the step differ from the middle ones, or None where the schedule's
-    shape changes with their number: gradient accumulation without pipelining (the first allocates the gradients,
-    the last is followed by the optimizer), 1F1B (the warm-up forwards and the cool-down backwards of this rank's
-    stage, ``num_stages - stage``, torch 2.13 ``Schedule1F1B``)."""
+@dataclass(frozen=True)
+class MicroBatchRegimes:
+    """The runs of alike micro batches in a step (what the micro-batch count stretches), for the schedules whose
+    shape is known for any count. ``warmup`` 0: gradient accumulation without pipelining, one run of forward +
+    backward per micro batch (the first allocates the gradients, the last is followed by the optimizer). Else
+    torch 2.13 ``Schedule1F1B`` on this rank's stage: forwards 0..w-1 (``w = num_stages - stage``, each with one more
+    micro batch in flight) are keyed one by one, then forward ``j`` follows backward ``j - w`` (``w - 1`` in flight),
+    backwards ``0..m-w`` run with ``w`` in flight, the last ``w - 1`` (cool-down) are keyed one by one. Each
+    stretching run keys its first and last ``EDGE`` micro batches by place and the middle ones by index."""
+
+    warmup: int = 0
+    num_stages: int = 1
+
+    @property
+    def min_micro_batches(self) -> int:
+        """The fewest micro batches with ``2 * EDGE + 1`` in every stretching run (and enough for the schedule)."""
+        return max(self.num_stages, self.warmup + 2 * EDGE + 1)
+
+    def place(self, phase: str, mb: int, m: int) -> tuple[tuple, int | None]:
+        """(key, middle index or None) of micro batch ``mb`` of ``m`` in a task of ``phase``."""
+        if phase == "optimizer":
+            return ("opt",), None
+        w = self.warmup
+        if not w:
+            place, j = _place(mb, m, EDGE)
+            return ("mb", *place), j
+        if phase == "forward":
+            if mb < w:
+                return ("warm", mb), None
+            place, j = _place(mb - w, m - w, EDGE)
+            return ("F", *place), j
+        if mb <= m - w:
+            place, j = _place(mb, m - w + 1, EDGE)
+            return ("B", *place), j
+        return ("cool", m - mb), None
+
+    def length(self, key: tuple, m: int) -> int:
+        """Micro batches in the run of ``key`` for a step of ``m``."""
+        return {"mb": m, "F": m - self.warmup, "B": m - self.warmup + 1}[key[0]]
+
+
+def micro_batch_regimes(cfg: JobConfig) -> MicroBatchRegimes | None:
+    """The micro-batch runs of ``cfg``'s step, or None where the schedule's shape changes with their number in a
+    way not modelled here (GPipe holds every micro batch in flight; the multi-stage schedules reorder by rounds)."""
     p = cfg.parallel
     if p.pp == 1:
-        return EDGE
+        return MicroBatchRegimes()
     if p.pp_schedule == "1F1B":
         (stage,) = cfg.dims.coordinates(cfg.world.rank).stages
-        return p.pp_num_stages - stage
+        return MicroBatchRegimes(p.pp_num_stages - stage, p.pp_num_stages)
     return None
 
 
@@ -459,7 +504,7 @@ def _tasks(table: SampleTable, plan: Plan, point: SamplePoint) -> list[_Task]:
             module = fqn[: match.start(2)] + "#" + fqn[match.end(2) :]
         else:
             place = None
-        mb_place, j = _place(mb, point.m, plan.mb_edge) if plan.varies_m else ((mb,), None)
+        mb_place, j = plan.regimes.place(phase, mb, point.m) if plan.regimes else ((mb,), None)
         scope = (phase, mb, fqn, op)
         occ = seen.get(scope, 0)
         seen[scope] = occ + 1
@@ -584,7 +629,7 @@ def _fit_group(
 def _unit_loop(group: tuple, count: dict[SamplePoint, int], plan: Plan) -> tuple[str, int, int, int]:
     """(what it loops over, tasks per unit ``k``, tasks outside the loop, the job's units) of a group whose count is
     ``fixed + k * units`` with one unit per layer (one stage) or per micro batch."""
-    if group[2] is None and group[1] != ("m",):
+    if group[2] is None and group[1][-1:] != ("m",):
         if plan.varies_x and len(plan.stages) == 1:
             stage = plan.stages[0]
             found = _loop_rule(count, lambda q: plan.run_length(stage.stage, q.x))
@@ -630,8 +675,9 @@ def _fit_keys(
         ranges: dict[str, tuple[int, int]] = {}
         if group[2] is not None and group[2][1] == "m":
             ranges["p"] = (EDGE, runs[group[2][0]] - 1 - EDGE)
-        if group[1] == ("m",):
-            ranges["j"] = (plan.mb_edge, plan.target_m - 1 - plan.mb_edge)
+        if group[1][-1:] == ("m",):
+            assert plan.regimes is not None
+            ranges["j"] = (EDGE, plan.regimes.length(group[1], plan.target_m) - 1 - EDGE)
         if key[-1][0] == "u":
             assert unit_range is not None
             ranges["u"] = unit_range

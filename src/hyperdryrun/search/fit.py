@@ -74,9 +74,16 @@ class CandidateResult:
     def done(self) -> bool:
         return bool(self.classes) and all(c.figures is not None or c.error for c in self.classes)
 
+    def over(self, capacity: int) -> ClassResult | None:
+        """A class already known to exceed ``capacity`` (the candidate cannot fit, whatever the others give)."""
+        return next(
+            (c for c in self.classes if c.figures is not None and verdict_bytes(c.figures) > capacity), None
+        )
+
     @property
     def cached(self) -> bool:
-        return bool(self.classes) and all(c.cached for c in self.classes)
+        ran = [c for c in self.classes if c.figures is not None or c.error]
+        return bool(ran) and all(c.cached for c in ran)
 
     @property
     def worst(self) -> ClassResult | None:
@@ -88,6 +95,11 @@ class CandidateResult:
         """The worst rank's ``peak_bytes`` / ``peak_reserved_bytes`` / ``peak_device_bytes``."""
         values = [getattr(c.figures, name) for c in self.classes if c.figures is not None]
         return None if not values or any(v is None for v in values) else max(values)
+
+    @property
+    def simulated_classes(self) -> list[ClassResult]:
+        """The classes that have figures (all of them, unless an OOM made the rest unnecessary)."""
+        return [c for c in self.classes if c.figures is not None]
 
     @property
     def methods(self) -> list[str]:
@@ -121,7 +133,7 @@ class FitOutcome:
         out["simulated"] = sum(not r.cached for r in ran)
         out["cached"] = sum(r.cached for r in ran)
         out["extrapolated"] = sum(1 for r in ran for m in r.methods if m == EXTRAPOLATED)
-        out["rank_classes"] = sum(len(r.classes) for r in ran)
+        out["rank_classes"] = sum(len(r.simulated_classes) for r in ran)
         return out
 
     def ranked(self) -> list[CandidateResult]:
@@ -154,12 +166,17 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
         result = CandidateResult(cand, "", time=step_time(cand.cfg, rates, bound.param_elements), bound=bound)
         outcome.results.append(result)
         if bound.bytes > job.capacity_bytes:
-            result.status, result.reason = PRUNED, (
-                f"rank {bound.rank}: sharded parameters + gradients + optimizer states alone are "
-                f"{bound.bytes / 2**30:.2f} GiB > {job.capacity_bytes / 2**30:.2f} GiB"
+            result.status, result.reason = (
+                PRUNED,
+                (
+                    f"rank {bound.rank}: sharded parameters + gradients + optimizer states alone are "
+                    f"{bound.bytes / 2**30:.2f} GiB > {job.capacity_bytes / 2**30:.2f} GiB"
+                ),
             )
             continue
-        result.classes = [ClassResult(c, _key(cand.cfg, c, job.shortcut)) for c in classes]
+        # The stage with the most micro batches in flight (the first), then the others: an OOM there settles it.
+        ordered = sorted(classes, key=lambda c: (c.pp, c.representative))
+        result.classes = [ClassResult(c, _key(cand.cfg, c, job.shortcut)) for c in ordered]
         survivors.append(result)
     survivors.sort(key=_order)
     if on_progress:
@@ -173,6 +190,8 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
                 return
             started.add(id(r))
             for c in r.classes:
+                if r.over(job.capacity_bytes):
+                    break  # one rank over the capacity decides: the others are not needed
                 hit = cache.get("figures", c.key)
                 if hit is not None:
                     c.figures, c.cached = StepFigures.from_dict(hit), True
@@ -226,7 +245,12 @@ def _take(res: TaskResult, c: ClassResult, cache: ResultCache) -> None:
 
 
 def _settle(r: CandidateResult, capacity: int) -> None:
-    """Give ``r`` its status once every class has an answer."""
+    """Give ``r`` its status once every class has an answer, or once one class is over the capacity (the classes
+    not run then stay without figures)."""
+    over = r.over(capacity)
+    if over is not None and not any(c.error for c in r.classes):
+        _verdict(r, r.worst or over, capacity)
+        return
     if not r.done:
         return
     failed = [c for c in r.classes if c.error]
@@ -235,7 +259,12 @@ def _settle(r: CandidateResult, capacity: int) -> None:
         r.status, r.reason = FAILED, f"rank {c.rank_class.representative}: {c.error}"
         return
     worst = r.worst
-    assert worst is not None and worst.figures is not None
+    assert worst is not None
+    _verdict(r, worst, capacity)
+
+
+def _verdict(r: CandidateResult, worst: ClassResult, capacity: int) -> None:
+    assert worst.figures is not None
     peak = verdict_bytes(worst.figures)
     r.status = FITS if peak <= capacity else OOM
     r.reason = (

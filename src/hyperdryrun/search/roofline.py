@@ -61,7 +61,9 @@ class Rates:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
-_NDR = 50 * GB  # 400 Gb/s InfiniBand NDR / ConnectX-7, one NIC per GPU (DGX H100, HGX H200/B200, MI300X platforms)
+_NDR = (
+    50 * GB
+)  # 400 Gb/s InfiniBand NDR / ConnectX-7, one NIC per GPU (DGX H100, HGX H200/B200, MI300X platforms)
 _HDR = 25 * GB  # 200 Gb/s InfiniBand HDR, one NIC per GPU (DGX A100)
 
 RATES: dict[str, Rates] = {
@@ -148,7 +150,9 @@ def flops_per_token(cfg: JobConfig) -> float:
         d_qk, d_v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
     else:
         d_qk = d_v = args.head_dim
-    attn_fwd = args.n_layers * args.n_heads * (d_qk + d_v) * t.seq_len  # 2 * s * (d_qk + d_v) * h, halved (causal)
+    attn_fwd = (
+        args.n_layers * args.n_heads * (d_qk + d_v) * t.seq_len
+    )  # 2 * s * (d_qk + d_v) * h, halved (causal)
     flops = 6 * n_matmul + 3 * attn_fwd
     if t.ac == "full":
         flops += 2 * n_matmul + attn_fwd
@@ -208,5 +212,9 @@ def step_time(cfg: JobConfig, rates: Rates, param_elements: int | None = None) -
         fsdp_time += 2 * _ring(grads, p.dp_replicate) / link(world)
     accesses = 2 + 1 + 2 * optimizer_states(cfg)
     optimizer = stage_params * DTYPE_BYTES[t.dtype] * accesses / rates.hbm_bytes_per_s
-    total = compute + bubble + tp_time + cp_time + ep_time + pp_time + max(0.0, fsdp_time - compute) + optimizer
-    return StepTime(total, compute, bubble, tp_time, cp_time, ep_time, pp_time, fsdp_time, optimizer, tokens, world)
+    total = (
+        compute + bubble + tp_time + cp_time + ep_time + pp_time + max(0.0, fsdp_time - compute) + optimizer
+    )
+    return StepTime(
+        total, compute, bubble, tp_time, cp_time, ep_time, pp_time, fsdp_time, optimizer, tokens, world
+    )

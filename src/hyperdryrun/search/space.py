@@ -29,7 +29,9 @@ class SearchSpace:
     ep: tuple[int, ...] = (1, 2, 4, 8)
     """Expert parallel degrees (MoE models; 1 for a dense one)."""
     dp_replicate: tuple[int, ...] = (1,)
-    pp_schedules: tuple[str, ...] = ("1F1B", "Interleaved1F1B")
+    pp_schedules: tuple[str, ...] = ("1F1B",)
+    """1F1B by default: its micro batches extrapolate exactly (:mod:`hyperdryrun.search.extrapolate`), so a step
+    of 64 micro batches costs about a dozen; the multi-stage schedules run every micro batch."""
     pp_virtual_stages: tuple[int, ...] = (2,)
     """Stages per rank of the multi-stage schedules (a V schedule always has 2)."""
     micro_batch_sizes: tuple[int, ...] = (1, 2)
@@ -172,7 +174,9 @@ def candidates(base: dict[str, Any], space: SearchSpace, global_batch_seqs: int)
     checks)."""
     from hyperdryrun.config import ConfigError, build_config
 
-    probe = build_config({k: v for k, v in base.items() if k in ("model", "training", "values", "target_device")})
+    probe = build_config(
+        {k: v for k, v in base.items() if k in ("model", "training", "values", "target_device")}
+    )
     args, is_moe = probe.model.args(), probe.model.is_moe
     world = base["world"]["world_size"]
     for i, (item, problem) in enumerate(layouts(space, world, global_batch_seqs, is_moe)):
