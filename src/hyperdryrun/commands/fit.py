@@ -42,7 +42,11 @@ SPACE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--pp": ("pp", _ints, "pipeline degrees to try (1,2,4,8)"),
     "--cp": ("cp", _ints, "context parallel degrees to try (1)"),
     "--ep": ("ep", _ints, "expert parallel degrees to try, MoE models (1,2,4,8)"),
-    "--pp-schedule": ("pp_schedules", _words, "pipeline schedules to try (1F1B; multi-stage ones run every micro batch: slower)"),
+    "--pp-schedule": (
+        "pp_schedules",
+        _words,
+        "pipeline schedules to try (1F1B; multi-stage ones run every micro batch: slower)",
+    ),
     "--pp-virtual-stages": ("pp_virtual_stages", _ints, "stages per rank of multi-stage schedules (2)"),
     "--micro-batch-size": ("micro_batch_sizes", _ints, "micro batch sizes to try (1,2)"),
     "--ac": ("ac", _words, "activation checkpointing modes to try (none,selective,full)"),

@@ -301,3 +301,109 @@ def rank_classes(cfg: JobConfig) -> list[RankClass]:
 def class_of(classes: list[RankClass]) -> dict[int, RankClass]:
     """Every rank -> its class."""
     return {r: c for c in classes for r in c.ranks}
+
+
+# ------------------------------------------------------------------------------------------------- reporting
+def rank_ranges(ranks: tuple[int, ...] | list[int]) -> str:
+    """``0-7,16-23,40``: consecutive ranks as ranges."""
+    out: list[str] = []
+    start = prev = None
+    for r in sorted(ranks):
+        if start is None:
+            start = prev = r
+        elif r == prev + 1:
+            prev = r
+        else:
+            out.append(f"{start}-{prev}" if prev != start else str(start))
+            start = prev = r
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev != start else str(start))
+    return ",".join(out)
+
+
+def classes_report(cfg: JobConfig, classes: list[RankClass], outcomes: list[Any]) -> dict[str, Any]:
+    """Every rank mapped to its class and the peak of the class's representative (``outcomes``: the
+    :class:`~hyperdryrun.runner.RankOutcome` of each representative)."""
+    by_rank = {o.rank: o for o in outcomes}
+    rows = []
+    for c in classes:
+        o = by_rank.get(c.representative)
+        summary = (o.report or {}).get("summary", {}) if o is not None and not o.error else {}
+        rows.append(
+            {
+                "class": c.index,
+                "representative": c.representative,
+                "ranks": rank_ranges(c.ranks),
+                "num_ranks": len(c.ranks),
+                "what": c.describe(),
+                "peak_bytes": summary.get("peak_bytes"),
+                "peak_reserved_bytes": summary.get("peak_reserved_bytes"),
+                "peak_device_bytes": summary.get("peak_device_bytes"),
+                "error": None if o is None else o.error,
+                "report": o.paths[0] if o is not None and o.paths else None,
+            }
+        )
+    return {
+        "model": cfg.model.name,
+        "world_size": cfg.world.world_size,
+        "parallel": cfg.dims.degrees(),
+        "classes": rows,
+        "rank_class": [class_of(classes)[r].index for r in range(cfg.world.world_size)],
+    }
+
+
+def print_rank_classes(report: dict[str, Any]) -> None:
+    """The class table: which ranks each simulated rank stands for, and its peak."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=110)
+    rows = report["classes"]
+    t = Table(
+        title=f"{len(rows)} rank classes cover all {report['world_size']} ranks",
+        title_justify="left",
+        title_style="bold",
+        show_edge=False,
+        pad_edge=False,
+    )
+    for col in ("class", "simulated rank", "ranks", "count", "peak GiB", "what"):
+        t.add_column(
+            col, justify="right" if col in ("class", "simulated rank", "count", "peak GiB") else "left"
+        )
+    for r in rows:
+        peak = (
+            "error" if r["error"] else ("" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:,.2f}")
+        )
+        t.add_row(str(r["class"]), str(r["representative"]), r["ranks"], str(r["num_ranks"]), peak, r["what"])
+    console.print(t)
+
+
+def write_rank_classes(
+    cfg: JobConfig, classes: list[RankClass], outcomes: list[Any], quiet: bool = False
+) -> str | None:
+    """``<output_dir>/rank_classes.json`` (written atomically) and, unless ``quiet``, the class table; returns the
+    path."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from hyperdryrun.report.writer import atomic_write
+
+    report = classes_report(cfg, classes, outcomes)
+    path = Path(cfg.output_dir) / "rank_classes.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(report, indent=1) + "\n")
+    except OSError as err:  # the rank reports failed the same way and set the exit code
+        sys.stderr.write(
+            f"hyperdryrun: error: --output-dir {cfg.output_dir!r}: cannot write rank_classes.json: {err}\n"
+        )
+        return None
+    if not quiet:
+        print_rank_classes(report)
+        from rich.console import Console
+
+        Console().print(f"[dim]wrote {path}[/]", soft_wrap=True)
+    return str(path)
