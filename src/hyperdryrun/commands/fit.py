@@ -336,7 +336,7 @@ def _row(outcome: Any, order: int, r: Any) -> dict[str, Any]:
     worst = r.worst
     headroom = None
     if worst is not None and worst.figures is not None:
-        headroom = outcome.job.capacity_bytes - verdict_bytes(worst.figures)
+        headroom = outcome.job.capacity_bytes - verdict_bytes(worst.figures, r.basis)
     return {
         "order": order,
         "status": r.status,
@@ -428,7 +428,7 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
     from rich.console import Console
     from rich.table import Table
 
-    from hyperdryrun.search.fit import verdict_bytes, verdict_figure
+    from hyperdryrun.search.fit import verdict_bytes
 
     console = Console()
     if not console.is_terminal:
@@ -448,10 +448,10 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
         f"[bold]{c['fits']} fit[/], {c['oom']} do not"
     )
     ranked = outcome.ranked()
-    figures = [w.figures for r in ranked if (w := r.worst) is not None and w.figures is not None]
-    basis = verdict_figure(figures[0]) if figures else "allocated"
+    bases = {r.basis for r in ranked}
+    basis = bases.pop() if len(bases) == 1 else "allocated"
     note = {
-        "allocated": "allocated bytes (these reports carry no allocator reserved/device figures)",
+        "allocated": "allocated bytes (the allocator's reserved/device figures are not in these results)",
         "reserved": "the allocator model's reserved bytes",
         "device": "the allocator model's device bytes (reserved + context and workspaces)",
     }[basis]
@@ -466,7 +466,7 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
             t.add_column(col, justify="left" if left else "right", no_wrap=col == "layout")
         for i, r in enumerate(ranked, 1):
             lay, w = r.candidate.layout, r.worst
-            head = job.capacity_bytes - verdict_bytes(w.figures)
+            head = job.capacity_bytes - verdict_bytes(w.figures, r.basis)
             methods = sorted(set(r.methods))
             cached = " (cached)" if r.cached else ""
             t.add_row(

@@ -751,9 +751,22 @@ def extrapolate(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan) -> S
     for _, table in samples:
         if not set(table.phases) & {str(ph) for ph in STEP_PHASES} <= set(phases):
             raise ShortcutFailed("a phase has no allocating task")
-    after = _fit_scalars([pt for pt, _ in samples], [t.scalars for _, t in samples], plan)
     width = len(CATEGORIES)
-    allocator = after[2 + width :]
+    points = [pt for pt, _ in samples]
+    rows = [t.scalars for _, t in samples]
+    after = _fit_scalars(points, [row[: 2 + width] for row in rows], plan)
+    detail = plan.describe()
+    allocator: list[int | None] = [None, None]
+    given = [row[2 + width :] for row in rows]
+    if given and all(v >= 0 for row in given for v in row):
+        try:
+            allocator = list(_fit_scalars(points, given, plan))
+        except ShortcutFailed:
+            # Segment sizes round, so the caching allocator's figures need not follow the blocks' pattern: they
+            # are left out rather than guessed (the allocated figures above are checked and exact).
+            detail += (
+                "; the allocator's reserved/device peaks are not affine over the samples: not extrapolated"
+            )
     return StepFigures(
         peak_bytes=total,
         peak_phase=key[0],
@@ -763,10 +776,10 @@ def extrapolate(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan) -> S
         current_bytes=after[1],
         breakdown_after_step=dict(zip(CATEGORIES, after[2 : 2 + width], strict=True)),
         phases=phases,
-        peak_reserved_bytes=allocator[0] if allocator[0] >= 0 else None,
-        peak_device_bytes=allocator[1] if allocator[1] >= 0 else None,
+        peak_reserved_bytes=allocator[0],
+        peak_device_bytes=allocator[1],
         method=EXTRAPOLATED,
-        detail=plan.describe(),
+        detail=detail,
     )
 
 
@@ -775,7 +788,7 @@ def _fit_scalars(points: list[SamplePoint], rows: list[list[int]], plan: Plan) -
     design = [[{"1": 1, "x": pt.x, "m": pt.m}[c] for c in columns] for pt in points]
     coef = _solve(design, [tuple(r) for r in rows])
     if coef is None:
-        raise ShortcutFailed("the bytes before/after the step (or the allocator's figures) are not affine")
+        raise ShortcutFailed("the bytes before or after the step are not affine over the samples")
     env = {"1": 1, "x": plan.target_x, "m": plan.target_m}
     out = []
     for k in range(len(rows[0])):

@@ -75,10 +75,16 @@ class CandidateResult:
         return bool(self.classes) and all(c.figures is not None or c.error for c in self.classes)
 
     def over(self, capacity: int) -> ClassResult | None:
-        """A class already known to exceed ``capacity`` (the candidate cannot fit, whatever the others give)."""
+        """A class already known to exceed ``capacity`` on allocated bytes, which every other figure includes (the
+        candidate cannot fit, whatever the others give)."""
         return next(
-            (c for c in self.classes if c.figures is not None and verdict_bytes(c.figures) > capacity), None
+            (c for c in self.classes if c.figures is not None and c.figures.peak_bytes > capacity), None
         )
+
+    @property
+    def basis(self) -> str:
+        """The figure this candidate's verdict reads (:func:`verdict_figure` over its classes)."""
+        return verdict_figure([c.figures for c in self.classes if c.figures is not None])
 
     @property
     def cached(self) -> bool:
@@ -89,7 +95,10 @@ class CandidateResult:
     def worst(self) -> ClassResult | None:
         """The class with the largest verdict figure."""
         ok = [c for c in self.classes if c.figures is not None]
-        return max(ok, key=lambda c: (verdict_bytes(c.figures), -c.rank_class.representative), default=None)
+        basis = self.basis
+        return max(
+            ok, key=lambda c: (verdict_bytes(c.figures, basis), -c.rank_class.representative), default=None
+        )
 
     def peak(self, name: str) -> int | None:
         """The worst rank's ``peak_bytes`` / ``peak_reserved_bytes`` / ``peak_device_bytes``."""
@@ -106,15 +115,20 @@ class CandidateResult:
         return [c.figures.method for c in self.classes if c.figures is not None]
 
 
-def verdict_figure(figures: StepFigures) -> str:
-    """Which figure the capacity is checked against: ``device``, ``reserved`` or ``allocated``."""
-    if figures.peak_device_bytes is not None:
+def verdict_figure(figures: StepFigures | list[StepFigures]) -> str:
+    """Which figure the capacity is checked against: ``device``, else ``reserved``, else ``allocated``, the first
+    that every one of ``figures`` (a candidate's classes) has."""
+    many = figures if isinstance(figures, list) else [figures]
+    if not many:
+        return "allocated"
+    if all(f.peak_device_bytes is not None for f in many):
         return "device"
-    return "reserved" if figures.peak_reserved_bytes is not None else "allocated"
+    return "reserved" if all(f.peak_reserved_bytes is not None for f in many) else "allocated"
 
 
-def verdict_bytes(figures: StepFigures) -> int:
-    name = verdict_figure(figures)
+def verdict_bytes(figures: StepFigures, basis: str | None = None) -> int:
+    """``figures``' peak on ``basis`` (default: the most complete figure it has)."""
+    name = basis or verdict_figure(figures)
     if name == "device":
         return figures.peak_device_bytes or 0
     return (figures.peak_reserved_bytes if name == "reserved" else figures.peak_bytes) or 0
@@ -265,10 +279,11 @@ def _settle(r: CandidateResult, capacity: int) -> None:
 
 def _verdict(r: CandidateResult, worst: ClassResult, capacity: int) -> None:
     assert worst.figures is not None
-    peak = verdict_bytes(worst.figures)
+    basis = r.basis
+    peak = verdict_bytes(worst.figures, basis)
     r.status = FITS if peak <= capacity else OOM
     r.reason = (
-        f"rank {worst.rank_class.representative}: {verdict_figure(worst.figures)} peak "
+        f"rank {worst.rank_class.representative}: {basis} peak "
         f"{peak / 2**30:.2f} GiB {'<=' if peak <= capacity else '>'} {capacity / 2**30:.2f} GiB"
     )
 
