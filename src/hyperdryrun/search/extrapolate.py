@@ -1,23 +1,28 @@
-"""Exact reuse inside one rank's step: identical decoder layers (and identical micro batches) repeat the same memory
-pattern, so a few small runs determine the figures of the whole step.
+"""Exact reuse inside one rank's step: identical decoder layers, and micro batches in the same place of the schedule,
+repeat the same memory pattern, so a few small runs determine the figures of the whole step.
 
-The method. Every allocating task of a traced step gets a *key*: its phase, op, module with the decoder-layer index
-replaced by the layer's place in its run of identical layers (first ``EDGE`` layers counted from the front, last
-``EDGE`` from the back, the others *middle* with their position ``p``), its micro batch placed the same way (front,
-back, middle ``j``), and its occurrence among the tasks of that module, op, phase and micro batch. A step with ``n``
-layers in the run and ``m`` micro batches has the same keys as one with more of each, only more middle ones. Each
-key's live bytes (total and per category) are then fitted *exactly* (rational arithmetic) by ``c0 + c1*x + c2*m +
-c3*p + c4*j`` over sample runs ``x = 0, 1, 2`` (``n = n0 + x``) and, with gradient accumulation, ``m = m0, m0+1,
-m0+2`` plus the cross point ``(1, m0+1)``. Every sample of every key must satisfy its fit exactly, with at least one
-sample more than the fit's unknowns (the ``k+2`` check); then the whole step's peak is the largest value over keys
-at the job's ``(n, m)`` (for a middle key, at an end of its range: an affine function's maximum), ties broken by
-time order as the tracker breaks them. Whenever a check fails, a key is missing from a sample, or the plan would
-not save time, :func:`step_figures` runs the full simulation instead; :attr:`StepFigures.method` says which ran.
+Keys. Every allocating task of a traced step (live bytes only grow there) gets a key: its phase, op and module, the
+decoder layer's place in its run of identical layers (the first and last ``EDGE`` by place, the others *middle*,
+with their position ``p``), the micro batch's place in its run of alike ones (:class:`MicroBatchRegimes`: with
+gradient accumulation, first / middle ``j`` / last; with 1F1B, each warm-up forward and cool-down backward by place,
+the steady ones first / middle / last), and its occurrence among the tasks of that phase, module, op and micro
+batch. A loop run outside the layers once per layer or per micro batch (FSDP2's reduce-scatters after the last
+pipeline backward, the pipeline's receive buffers) is keyed by its unit ``u`` the same way.
 
-What this reproduces: the summary figures (peak bytes, its phase and op, the breakdown by category at the peak, the
-bytes before and after the step and their breakdown) and the peak of every phase with its breakdown; with the
-allocator model's ``peak_reserved_bytes`` / ``peak_device_bytes`` in the report, those too, fitted the same way
-(scalars over the samples, checked). It does not reproduce the block list: reports (JSON/CSV) come from full runs.
+Fit and check. Sample runs differ from the job only in layers (``n0 + x``, ``x = 0, 1, 2``) and, where the schedule
+allows, micro batches (``m0, m0+1, m0+2``, plus the cross point ``(1, m0+1)``). Each key's live bytes (the total and
+every category) are fitted *exactly*, in rational arithmetic, by ``c0 + c1*x + c2*m + c3*p + c4*j + c5*u`` (the terms
+its samples vary); every sample must satisfy the fit, with at least one sample more than unknowns (the ``k+2``
+check), every key must occur in every sample, and the result must be whole bytes. The job's peak is then the
+largest value over the keys at its ``(x, m)``, a middle key taken at both ends of its range (an affine function's
+maximum is at an end), ties broken by time order as the tracker breaks them (the first task reaching the peak).
+Where a check fails, no plan applies, or the samples would cost more than :data:`MIN_SAVING` of the full run,
+:func:`step_figures` runs the full simulation; :attr:`StepFigures.method` and ``detail`` say which and why.
+
+What it reproduces: the summary's peak, its phase and op, its breakdown by category, the bytes before and after the
+step and their breakdown, every phase's peak with its op and breakdown, and the allocator model's reserved and
+device peaks when reports carry them and they are affine over the samples (else left out, said in ``detail``). Not
+the block list: reports (JSON and CSV) come from full runs.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
+
+from hyperdryrun.trace.blocks import CATEGORY_ORDER, STEP_PHASES
 
 if TYPE_CHECKING:
     from hyperdryrun.config import JobConfig
@@ -38,7 +45,7 @@ decoder layer (no backward prefetch below it) and the last (FSDP2 keeps it unsha
 FULL = "full"
 EXTRAPOLATED = "extrapolated"
 
-CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
+CATEGORIES = tuple(str(c) for c in CATEGORY_ORDER)
 ALLOCATOR_FIGURES = ("peak_reserved_bytes", "peak_device_bytes")
 """The allocator model's summary figures, read when a report carries them."""
 
@@ -213,8 +220,6 @@ def plan_for(cfg: JobConfig) -> tuple[Plan | None, str]:
     args = cfg.model.args()
     n_dense = args.n_dense_layers if cfg.model.is_moe else 0
     stages = _own_stages(cfg, n_dense)
-    if stages is None:
-        return None, "dense layers are not a prefix of this rank's stages"
     run_min = min(s.run for s in stages)
     base0 = 2 * EDGE + 1  # one middle layer in the smallest sample
     target_x = run_min - base0
@@ -249,7 +254,7 @@ def plan_for(cfg: JobConfig) -> tuple[Plan | None, str]:
         regimes if varies_m else None,
     )
     if p.pp > 1:
-        counts = _stage_counts_solver(cfg, plan, n_dense)
+        counts = _stage_counts_solver(plan, n_dense)
         if counts is None:
             return None, "no pipeline split of the samples keeps this rank's dense and MoE layers in place"
         plan.stage_counts = counts
@@ -314,7 +319,7 @@ def micro_batch_regimes(cfg: JobConfig) -> MicroBatchRegimes | None:
     return None
 
 
-def _own_stages(cfg: JobConfig, n_dense: int) -> list[StageRun] | None:
+def _own_stages(cfg: JobConfig, n_dense: int) -> list[StageRun]:
     """The rank's stages (or the whole model) as dense prefix + run of identical layers."""
     args = cfg.model.args()
     if cfg.parallel.pp == 1:
@@ -331,7 +336,7 @@ def _own_stages(cfg: JobConfig, n_dense: int) -> list[StageRun] | None:
     return out
 
 
-def _stage_counts_solver(cfg: JobConfig, plan: Plan, n_dense: int) -> Callable[[int], list[int]] | None:
+def _stage_counts_solver(plan: Plan, n_dense: int) -> Callable[[int], list[int]] | None:
     """Layers of every pipeline stage of sample ``x``: this rank's stages as planned, placed so their dense layers
     keep global indices below ``n_dense`` (and their MoE layers above); every other stage as small as allowed."""
     own = {s.stage: s for s in plan.stages}
@@ -737,8 +742,6 @@ def _best(cands: list[Candidate]) -> Candidate:
 
 def extrapolate(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan) -> StepFigures:
     """The job's figures from its sample runs (raises :class:`ShortcutFailed` when a check fails)."""
-    from hyperdryrun.trace.blocks import STEP_PHASES
-
     keyed = [(pt, _tasks(table, plan, pt)) for pt, table in samples]
     cands = _candidates(_fit_all(keyed, plan), plan)
     total, _, vec, key = _best(cands)
