@@ -456,11 +456,14 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
         "device": "the allocator model's device bytes (reserved + context and workspaces)",
     }[basis]
     if not quiet:
-        console.print(f"fits = worst rank's peak within capacity, on {note}; step time: roofline estimate")
+        console.print(
+            f"fits = worst rank's peak within capacity, on {note}; peaks and headroom in GiB; "
+            "step time: roofline estimate"
+        )
     if ranked and not quiet:
         t = Table(show_edge=False, pad_edge=False, header_style="bold")
-        cols = ("#", "layout", "mbs x n", "AC", "est. step", "tok/s/GPU", "allocated GiB", "reserved GiB",
-                "device GiB", "headroom GiB", "worst rank", "classes", "method")  # fmt: skip
+        cols = ("#", "layout", "mbs x n", "AC", "est. step", "tok/s/GPU", "allocated", "reserved", "device",
+                "headroom", "worst rank", "classes", "method")  # fmt: skip
         for col in cols:
             left = col in ("layout", "AC", "method")
             t.add_column(col, justify="left" if left else "right", no_wrap=col == "layout")
