@@ -117,7 +117,8 @@ IDENTITY = (("metadata", "rank"), ("metadata", "local_rank"), ("metadata", "moe"
 
 
 def _profile(cfg) -> str:
-    """The rank's JSON report without what names the rank (its rank, local rank, EP rank and expert indices)."""
+    """The rank's JSON report without what names the rank (its rank, local rank, EP rank, expert indices and the
+    names of its process groups)."""
     report = copy.deepcopy(build_report(recipe.run_job(cfg, capture_stacks=False)))
     for path in IDENTITY:
         node = report
@@ -126,6 +127,10 @@ def _profile(cfg) -> str:
         node.pop(path[-1], None)
     if report["metadata"].get("moe"):
         report["metadata"]["moe"].pop("local_experts", None)
+    # The process group a communicator belongs to is named by its registration order ("5" or "6" for the two
+    # replicate groups); its size and bytes stay.
+    for comm in (report["metadata"].get("cuda") or {}).get("nccl", {}).get("communicators", []):
+        comm.pop("group", None)
     return json.dumps(report, sort_keys=True)
 
 
