@@ -81,9 +81,8 @@ def register(subparsers: Any) -> None:
     for flag, (field, typ, help_) in SPACE_FLAGS.items():
         space.add_argument(flag, dest=f"space_{field}", type=typ, default=None, help=help_, metavar=field)
     device = p.add_argument_group("device and batch")
-    device.add_argument(
-        "--gpu", help="GPU preset: its capacity and rates (h100-80gb, a100-80gb, h200, b200, ...)"
-    )
+    # --gpu is a job flag (cuda.gpu: the preset's kernels and allocator replay); fit also reads its capacity and
+    # rates from it.
     device.add_argument("--device-memory-gib", type=float, help="capacity per device (default: the --gpu's)")
     device.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (all ranks)")
     device.add_argument("--global-batch-seqs", type=int, help="sequences per optimizer step (all ranks)")

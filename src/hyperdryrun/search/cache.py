@@ -3,8 +3,8 @@
 Two kinds: a rank's step figures (``figures``: what a search reads for one rank class of one candidate) and a
 sample run's table (``samples``: what an extrapolation reads, shared by every job whose plan asks for the same sample,
 e.g. the same layout with another global batch). A key is the SHA-256 of the job config as JSON (every field,
-the rank included; the capacity and output paths left out, they change no figure), the kind, the shortcut setting
-and the hyperdryrun and torch versions. Entries are written atomically (temp file + rename), so concurrent writers
+the rank included; the capacity and output paths left out, they change no figure), the kind, the shortcut setting,
+the entry :data:`FORMAT` and the hyperdryrun and torch versions. Entries are written atomically (temp file + rename), so concurrent writers
 and an interrupted run leave whole files only; an unreadable entry counts as a miss.
 """
 
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from hyperdryrun.config import JobConfig
 
 _IRRELEVANT = ("device_memory_gib", "output_dir", "live_set_limit")
+FORMAT = 2
+"""What an entry holds; part of every key, raised when that changes (2: extrapolated figures carry no allocator
+peaks), so that entries of an older format are never read."""
 
 
 def default_cache_dir() -> Path:
@@ -42,7 +45,7 @@ def job_key(cfg: JobConfig | dict[str, Any], kind: str, **extra: Any) -> str:
     data = cfg if isinstance(cfg, dict) else cfg.model_dump()
     data = {k: v for k, v in data.items() if k not in _IRRELEVANT}
     blob = json.dumps(
-        {"kind": kind, "job": data, "versions": versions(), **extra}, sort_keys=True, default=str
+        {"kind": kind, "format": FORMAT, "job": data, "versions": versions(), **extra}, sort_keys=True, default=str
     )
     return hashlib.sha256(blob.encode()).hexdigest()
 
