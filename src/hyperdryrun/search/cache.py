@@ -45,7 +45,9 @@ def job_key(cfg: JobConfig | dict[str, Any], kind: str, **extra: Any) -> str:
     data = cfg if isinstance(cfg, dict) else cfg.model_dump()
     data = {k: v for k, v in data.items() if k not in _IRRELEVANT}
     blob = json.dumps(
-        {"kind": kind, "format": FORMAT, "job": data, "versions": versions(), **extra}, sort_keys=True, default=str
+        {"kind": kind, "format": FORMAT, "job": data, "versions": versions(), **extra},
+        sort_keys=True,
+        default=str,
     )
     return hashlib.sha256(blob.encode()).hexdigest()
 
