@@ -13,6 +13,7 @@ from typing import Any
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
 from hyperdryrun.commands.job import _BOOL, FLAG_OF, RUN_FLAGS, _dest, _set
 from hyperdryrun.config import ConfigError, build_config, load_yaml
+from hyperdryrun.search.space import DEFAULT_TOP
 
 SEARCHED = {
     "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.cp", "parallel.pp", "parallel.ep",
@@ -96,7 +97,10 @@ def register(subparsers: Any) -> None:
     device.add_argument("--gpus-per-node", type=int, help="GPUs per node (8)")
     run = p.add_argument_group("running")
     run.add_argument(
-        "--top", type=int, default=10, help="stop once the N fastest fitting layouts are known (0: all)"
+        "--top",
+        type=int,
+        default=DEFAULT_TOP,
+        help=f"stop once the N fastest fitting layouts are known ({DEFAULT_TOP}; 0: all)",
     )
     run.add_argument("--jobs", type=int, default=None, help="simulations in parallel (default: cores)")
     run.add_argument("--executor", choices=("local", "ray"), default="local", help="local processes or Ray")

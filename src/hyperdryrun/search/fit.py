@@ -27,7 +27,7 @@ from hyperdryrun.search.classes import RankClass, rank_classes
 from hyperdryrun.search.executors import SimTask, TaskResult
 from hyperdryrun.search.extrapolate import EXTRAPOLATED, StepFigures
 from hyperdryrun.search.roofline import Rates, StepTime, step_time
-from hyperdryrun.search.space import Candidate, SearchSpace, candidates
+from hyperdryrun.search.space import DEFAULT_TOP, Candidate, SearchSpace, candidates
 
 FITS, OOM, INVALID, PRUNED, FAILED, SKIPPED = "fits", "oom", "invalid", "pruned", "failed", "skipped"
 STATUSES = (FITS, OOM, INVALID, PRUNED, FAILED, SKIPPED)
@@ -44,7 +44,7 @@ class FitJob:
     space: SearchSpace = SearchSpace()
     rates: Rates | None = None
     gpu: str | None = None
-    top: int = 10
+    top: int = DEFAULT_TOP
     """Stop once this many fitting layouts, the fastest, are known (0: dry-run every candidate that survives)."""
     shortcut: bool = True
 
