@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from hyperdryrun.config import JobConfig
 
 AC_MODES = ("none", "selective", "full")
-DEFAULT_TOP = 3
+DEFAULT_TOP = 1
 """A search stops once this many fitting layouts, the fastest, are known: the fastest 70B layouts on 64 GPUs are
-8-stage pipelines, 8 rank classes each, about a minute of CPU per class on a 2-core machine."""
+8-stage pipelines, 8 rank classes each, one to two minutes of CPU per class on a shared 2-core machine."""
 
 
 @dataclass(frozen=True)
