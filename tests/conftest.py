@@ -45,6 +45,11 @@ SLOW = (
     "tests/test_readme.py",
     "tests/test_run_ranks.py",
     "tests/test_runner.py",
+    "tests/search/test_bounds.py",
+    "tests/search/test_classes.py",
+    "tests/search/test_executors.py",
+    "tests/search/test_extrapolate.py",
+    "tests/search/test_fit.py",
     "tests/viz/test_browser.py",
 )
 """Test files that run real steps, child processes or a browser: marked ``slow``, so ``pytest -m "not slow"`` is the

@@ -16,26 +16,33 @@ def _no_torchrun_env(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
 
 
-def test_all_ranks_writes_each_rank_and_reports_the_same_peaks_as_single_runs(tmp_path, capsys):
+def test_all_ranks_simulates_one_rank_per_class_with_the_peaks_of_single_runs(tmp_path, capsys):
     common = ["run", "--model", "llama-tiny", "--seq-len", "32", "--world-size", "3"]
     assert main([*common, "--all-ranks", "--jobs", "2", "--output-dir", str(tmp_path / "many")]) == 0
     table = capsys.readouterr().out
-    assert "3 of 3 ranks" in table and "max peak" in table
+    # Uneven FSDP shards (64 rows over 3 ranks: 22, 22, 20): ranks 0 and 1 hold the same shapes, rank 2 fewer rows,
+    # so two rank classes, {0, 1} and {2}, each simulated once by its lowest rank.
+    assert "2 of 3 ranks" in table and "max peak" in table and "2 rank classes cover all 3 ranks" in table
     wrote = [line.removeprefix("wrote ") for line in table.splitlines() if line.startswith("wrote ")]
     assert wrote == [
         str(tmp_path / "many" / f"rank_{r}" / f"rank_{r}_{name}")
-        for r in range(3)
+        for r in (0, 2)
         for name in ("memory.json", "memory.csv", "segments.csv")
-    ]
-    # Uneven FSDP shards (64 rows over 3 ranks): the last rank owns fewer rows, so ranks need not agree; each
-    # subprocess's report must equal the same rank simulated alone in this process.
-    for rank in range(3):
+    ] + [str(tmp_path / "many" / "rank_classes.json")]
+    classes = json.loads((tmp_path / "many" / "rank_classes.json").read_text())
+    assert classes["rank_class"] == [0, 0, 1]
+    # Each subprocess's report equals the same rank simulated alone in this process, and rank 1, not simulated,
+    # has the peak of its class's representative.
+    for rank, simulated in ((0, 0), (1, 0), (2, 2)):
         assert main([*common, "--rank", str(rank), "--quiet", "--output-dir", str(tmp_path / "one")]) == 0
         capsys.readouterr()
-        many = json.loads((tmp_path / "many" / f"rank_{rank}" / f"rank_{rank}_memory.json").read_text())
+        many = json.loads(
+            (tmp_path / "many" / f"rank_{simulated}" / f"rank_{simulated}_memory.json").read_text()
+        )
         one = json.loads((tmp_path / "one" / f"rank_{rank}" / f"rank_{rank}_memory.json").read_text())
-        assert many["metadata"]["rank"] == rank
+        assert many["metadata"]["rank"] == simulated
         assert many["summary"] == one["summary"]
+        assert classes["classes"][classes["rank_class"][rank]]["peak_bytes"] == one["summary"]["peak_bytes"]
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from hyperdryrun.commands import (
 )
 from hyperdryrun.commands import audit_kernels as audit_kernels_command
 from hyperdryrun.commands import compare as compare_command
+from hyperdryrun.commands import fit as fit_command
 from hyperdryrun.commands import measure as measure_command
 from hyperdryrun.commands import report as report_command
 from hyperdryrun.commands import run as run_command
@@ -36,6 +37,7 @@ COMMANDS = [
     snapshot_command,
     report_command,
     torchtitan_command,
+    fit_command,
 ]
 """Each module registers one subcommand (memray's layout: one small module per command)."""
 

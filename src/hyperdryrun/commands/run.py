@@ -21,7 +21,11 @@ def register(subparsers: Any) -> None:
     )
     add_job_arguments(p)
     p.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
-    p.add_argument("--all-ranks", action="store_true", help="simulate every rank of the world")
+    p.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help="every rank of the world: one simulated per rank class (ranks with provably the same memory)",
+    )
     p.add_argument(
         "--jobs", type=int, default=None, help="processes in parallel with --ranks (default: cores)"
     )
@@ -68,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--jobs: must be >= 1 (got {args.jobs})")
     except ConfigError as err:
         return fail(str(err), err, args.debug)
+    classes = None
+    if args.all_ranks:
+        from hyperdryrun.search.classes import rank_classes
+
+        classes = rank_classes(cfg)
+        ranks = [c.representative for c in classes]
     if ranks is not None:
         outcomes = run_ranks(
             cfg,
@@ -78,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
         )
         rows = [(o.rank, o.report if not o.error else None, o.error) for o in outcomes]
         print_ranks(cfg, rows, [p for o in outcomes for p in o.paths], quiet=args.quiet)
+        if classes is not None:
+            from hyperdryrun.search.classes import write_rank_classes
+
+            write_rank_classes(cfg, classes, outcomes, quiet=args.quiet)
         return exit_code_of(outcomes, args.debug)
     out = run_rank(cfg, capture_stacks=not args.no_stacks)
     if out.error:

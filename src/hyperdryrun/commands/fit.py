@@ -1,0 +1,504 @@
+"""``hyperdryrun fit``: which layouts of a job fit the device, ranked by estimated step time
+(:mod:`hyperdryrun.search.fit`)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from typing import Any
+
+from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
+from hyperdryrun.commands.job import _BOOL, FLAG_OF, RUN_FLAGS, _dest, _set
+from hyperdryrun.config import ConfigError, build_config, load_yaml
+from hyperdryrun.search.space import DEFAULT_TOP
+
+SEARCHED = {
+    "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.cp", "parallel.pp", "parallel.ep",
+    "parallel.etp", "parallel.pp_schedule", "parallel.pp_virtual_stages", "parallel.pp_stage_layers",
+    "training.micro_batch_size", "training.num_micro_batches", "training.ac",
+}  # fmt: skip
+"""Job fields the search sets: their flags take lists of values here."""
+NOT_FOR_FIT = {"world.rank", "world.local_rank", "device_memory_gib", "output_dir", "live_set_limit"}
+JOB_FLAGS = {f: v for f, v in RUN_FLAGS.items() if v[0] not in SEARCHED | NOT_FOR_FIT}
+"""The job flags of ``run`` that describe what every candidate shares (model, dtypes, sequence, optimizer, ...)."""
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+_ints.__name__ = "comma-separated list of integers"
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+SPACE_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--dp-replicate": ("dp_replicate", _ints, "HSDP replica counts to try (1)"),
+    "--tp": ("tp", _ints, "tensor parallel degrees to try (1,2,4,8)"),
+    "--pp": ("pp", _ints, "pipeline degrees to try (1,2,4,8)"),
+    "--cp": ("cp", _ints, "context parallel degrees to try (1)"),
+    "--ep": ("ep", _ints, "expert parallel degrees to try, MoE models (1,2,4,8)"),
+    "--pp-schedule": (
+        "pp_schedules",
+        _words,
+        "pipeline schedules to try (1F1B; multi-stage ones run every micro batch: slower)",
+    ),
+    "--pp-virtual-stages": ("pp_virtual_stages", _ints, "stages per rank of multi-stage schedules (2)"),
+    "--micro-batch-size": ("micro_batch_sizes", _ints, "micro batch sizes to try (1,2)"),
+    "--ac": ("ac", _words, "activation checkpointing modes to try (none,selective,full)"),
+    "--max-micro-batches": (
+        "max_micro_batches",
+        int,
+        "leave out layouts needing more micro batches per step (64)",
+    ),
+}
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "fit",
+        help="search the layouts that fit a device, ranked by estimated step time",
+        description="Enumerate the parallel layouts of a job over --world-size ranks, prune the invalid ones and "
+        "those whose sharded states alone exceed the device, dry-run the rest by rank class and print the layouts "
+        "that fit, fastest first (roofline estimate). Exit 0: some layout fits, 1: none fits, 2: bad input, 3: "
+        "internal error.",
+    )
+    p.add_argument("--config", metavar="job.yaml", help="YAML job description (its model, training, values)")
+    for flag, (path, typ, help_) in JOB_FLAGS.items():
+        if typ is _BOOL:
+            p.add_argument(
+                flag, dest=_dest(flag), action=argparse.BooleanOptionalAction, default=None, help=help_
+            )
+        else:
+            p.add_argument(
+                flag, dest=_dest(flag), type=typ, default=None, help=help_, metavar=path.split(".")[-1]
+            )
+    space = p.add_argument_group("search space")
+    for flag, (field, typ, help_) in SPACE_FLAGS.items():
+        space.add_argument(flag, dest=f"space_{field}", type=typ, default=None, help=help_, metavar=field)
+    device = p.add_argument_group("device and batch")
+    # --gpu is a job flag (cuda.gpu: the preset's kernels and allocator replay); fit also reads its capacity and
+    # rates from it.
+    device.add_argument("--device-memory-gib", type=float, help="capacity per device (default: the --gpu's)")
+    device.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (all ranks)")
+    device.add_argument("--global-batch-seqs", type=int, help="sequences per optimizer step (all ranks)")
+    for flag, help_ in (
+        ("--peak-tflops", "dense bf16 TFLOP/s per GPU"),
+        ("--hbm-gbps", "HBM GB/s per GPU"),
+        ("--intra-node-gbps", "GB/s per GPU within a node, one direction"),
+        ("--inter-node-gbps", "GB/s per GPU between nodes, one direction"),
+    ):
+        device.add_argument(flag, type=float, help=f"{help_} (default: the --gpu's)")
+    device.add_argument("--gpus-per-node", type=int, help="GPUs per node (8)")
+    run = p.add_argument_group("running")
+    run.add_argument(
+        "--top",
+        type=int,
+        default=DEFAULT_TOP,
+        help=f"stop once the N fastest fitting layouts are known ({DEFAULT_TOP}; 0: all)",
+    )
+    run.add_argument("--jobs", type=int, default=None, help="simulations in parallel (default: cores)")
+    run.add_argument("--executor", choices=("local", "ray"), default="local", help="local processes or Ray")
+    run.add_argument("--ray-address", help="Ray cluster to connect to (default: $RAY_ADDRESS)")
+    run.add_argument(
+        "--cache-dir", help="result cache (default: $XDG_CACHE_HOME/hyperdryrun or ~/.cache/hyperdryrun)"
+    )
+    run.add_argument("--no-cache", action="store_true", help="neither read nor write the result cache")
+    run.add_argument(
+        "--no-shortcut", action="store_true", help="simulate every step in full (no extrapolation)"
+    )
+    run.add_argument("--json", metavar="PATH", help="write every candidate's result as JSON")
+    run.add_argument("--csv", metavar="PATH", help="write every candidate's result as CSV")
+    run.add_argument("--quiet", action="store_true", help="print only the counts and the best layout")
+    run.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(func=run_fit)
+
+
+# ------------------------------------------------------------------------------------------------ the request
+def _base_job(args: argparse.Namespace) -> dict[str, Any]:
+    """The job every candidate shares, validated (its errors name the flag)."""
+    data: dict[str, Any] = load_yaml(args.config) if args.config else {}
+    for section in ("parallel", "training"):
+        node = data.get(section)
+        if isinstance(node, dict):
+            for path in SEARCHED:
+                sec, leaf = path.split(".")
+                if sec == section:
+                    node.pop(leaf, None)
+    for flag, (path, _, _) in JOB_FLAGS.items():
+        value = getattr(args, _dest(flag))
+        if value is not None:
+            _set(data, path, value)
+    if args.world_size is None:
+        raise ConfigError("--world-size: required (the ranks of the job to lay out)")
+    try:
+        cfg = build_config(data)
+    except ConfigError as err:
+        msg = str(err)
+        field = msg.split(":", 1)[0]
+        raise ConfigError(
+            f"{field} ({FLAG_OF[field]}){msg[len(field) :]}" if field in FLAG_OF else msg
+        ) from None
+    from hyperdryrun.search.space import base_job
+
+    return base_job(cfg)
+
+
+def _space(args: argparse.Namespace, is_moe: bool) -> Any:
+    from hyperdryrun.search.space import SearchSpace
+
+    given = {field: getattr(args, f"space_{field}") for _, (field, _, _) in SPACE_FLAGS.items()}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not is_moe and given.get("ep", (1,)) != (1,):
+        raise ConfigError(f"--ep {','.join(map(str, given['ep']))}: expert parallel needs an MoE model")
+    try:
+        return SearchSpace(**given)
+    except ValueError as err:
+        msg = str(err)
+        for flag, (field, _, _) in SPACE_FLAGS.items():
+            msg = msg.replace(f"search.{field}=", f"{flag} ")
+        raise ConfigError(msg) from None
+
+
+def _capacity(args: argparse.Namespace) -> tuple[int, str | None]:
+    from hyperdryrun.world.gpus import GiB, gpu_preset
+
+    if args.gpu is None and args.device_memory_gib is None:
+        raise ConfigError(
+            "--gpu or --device-memory-gib: give the device (a GPU preset or its capacity in GiB)"
+        )
+    if args.device_memory_gib is not None:
+        if not args.device_memory_gib > 0:
+            raise ConfigError(f"--device-memory-gib: must be > 0 (got {args.device_memory_gib})")
+    if args.gpu is not None:
+        try:
+            preset = gpu_preset(args.gpu)
+        except ValueError as err:
+            raise ConfigError(f"--gpu: {err}") from None
+        if args.device_memory_gib is None:
+            return preset.capacity_bytes, args.gpu
+    return int(round(args.device_memory_gib * GiB)), args.gpu
+
+
+def _global_seqs(args: argparse.Namespace, seq_len: int) -> int:
+    tokens, seqs = args.global_batch_tokens, args.global_batch_seqs
+    if (tokens is None) == (seqs is None):
+        raise ConfigError("--global-batch-tokens or --global-batch-seqs: give exactly one")
+    if seqs is not None:
+        if seqs < 1:
+            raise ConfigError(f"--global-batch-seqs: must be >= 1 (got {seqs})")
+        return seqs
+    if tokens < 1 or tokens % seq_len:
+        raise ConfigError(
+            f"--global-batch-tokens: {tokens} is not a positive multiple of --seq-len {seq_len}"
+        )
+    return tokens // seq_len
+
+
+def _rates(args: argparse.Namespace, gpu: str | None) -> Any:
+    from hyperdryrun.search.roofline import GB, rates_for
+
+    try:
+        rates = rates_for(gpu)
+    except ValueError as err:
+        raise ConfigError(f"--gpu: {err}") from None
+    over = {
+        "peak_flops": None if args.peak_tflops is None else args.peak_tflops * 1e12,
+        "hbm_bytes_per_s": None if args.hbm_gbps is None else args.hbm_gbps * GB,
+        "intra_node_bytes_per_s": None if args.intra_node_gbps is None else args.intra_node_gbps * GB,
+        "inter_node_bytes_per_s": None if args.inter_node_gbps is None else args.inter_node_gbps * GB,
+        "gpus_per_node": args.gpus_per_node,
+    }
+    for name, value in over.items():
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be > 0 (got {value})")
+    return rates.with_overrides(**over)
+
+
+def fit_job_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~hyperdryrun.search.fit.FitJob` the flags ask for (one-line ConfigError otherwise)."""
+    from hyperdryrun.search.fit import FitJob
+
+    base = _base_job(args)
+    is_moe = build_config({"model": base["model"]}).model.is_moe
+    capacity, gpu = _capacity(args)
+    if args.top < 0:
+        raise ConfigError(f"--top: must be >= 0 (got {args.top})")
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs: must be >= 1 (got {args.jobs})")
+    return FitJob(
+        base=base,
+        capacity_bytes=capacity,
+        global_batch_seqs=_global_seqs(args, base["training"]["seq_len"]),
+        space=_space(args, is_moe),
+        rates=_rates(args, gpu),
+        gpu=gpu,
+        top=args.top,
+        shortcut=not args.no_shortcut,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ running
+def run_fit(args: argparse.Namespace) -> int:
+    """Parse, search, print, write; the exit code of :mod:`hyperdryrun.commands`."""
+    from hyperdryrun.search.cache import ResultCache, default_cache_dir
+    from hyperdryrun.search.executors import executor_for
+    from hyperdryrun.search.fit import fit
+
+    try:
+        job = fit_job_from_args(args)
+        cache = ResultCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
+        for path in (args.json, args.csv):
+            if path:
+                _check_writable(path)
+        executor = executor_for(args.executor, args.jobs, args.ray_address)
+    except (ConfigError, ValueError) as err:
+        return fail(str(err), err, args.debug)
+    with _progress(not args.quiet and sys.stderr.isatty()) as on_progress:
+        outcome = fit(job, executor, cache, on_progress)
+    if args.json:
+        _write(args.json, json.dumps(outcome_dict(outcome), indent=1) + "\n")
+    if args.csv:
+        _write(args.csv, outcome_csv(outcome))
+    print_outcome(outcome, quiet=args.quiet, written=[p for p in (args.json, args.csv) if p])
+    return EXIT_OK if outcome.ranked() else EXIT_VERDICT
+
+
+def _check_writable(path: str) -> None:
+    import os
+
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"{path!r}: cannot write there (no such directory or no permission)")
+
+
+def _write(path: str, text: str) -> None:
+    from pathlib import Path
+
+    from hyperdryrun.report.writer import atomic_write
+
+    atomic_write(Path(path), text)
+
+
+class _progress:
+    """A live "candidates done/total · pruned · failed · ETA" line on stderr (a terminal only)."""
+
+    def __init__(self, show: bool) -> None:
+        self.show = show
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> Any:
+        if not self.show:
+            return None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("candidates"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[state]}"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._progress.__enter__()
+        self._task = self._progress.add_task("fit", total=None, state="")
+        return self.update
+
+    def update(self, outcome: Any) -> None:
+        c = outcome.counts()
+        done = sum(bool(r.status) for r in outcome.results)
+        state = f"fit {c['fits']} · oom {c['oom']} · pruned {c['pruned']} · invalid {c['invalid']} · failed {c['failed']}"
+        self._progress.update(self._task, total=len(outcome.results), completed=done, state=state)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+CSV_COLUMNS = (
+    "order", "status", "layout", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "etp", "pp_schedule",
+    "pp_virtual_stages", "micro_batch_size", "num_micro_batches", "ac", "est_step_s", "tokens_per_s_per_gpu",
+    "state_bound_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_device_bytes", "headroom_bytes",
+    "worst_rank", "rank_classes", "methods", "reason",
+)  # fmt: skip
+
+
+def _row(outcome: Any, order: int, r: Any) -> dict[str, Any]:
+    from hyperdryrun.search.fit import verdict_bytes
+
+    worst = r.worst
+    headroom = None
+    if worst is not None and worst.figures is not None:
+        headroom = outcome.job.capacity_bytes - verdict_bytes(worst.figures, r.basis)
+    return {
+        "order": order,
+        "status": r.status,
+        "layout": r.candidate.layout.label(),
+        **r.candidate.layout.to_dict(),
+        "est_step_s": None if r.time is None else round(r.time.total, 6),
+        "tokens_per_s_per_gpu": None if r.time is None else round(r.time.tokens_per_s_per_gpu, 3),
+        "state_bound_bytes": None if r.bound is None else r.bound.bytes,
+        "peak_allocated_bytes": r.peak("peak_bytes"),
+        "peak_reserved_bytes": r.peak("peak_reserved_bytes"),
+        "peak_device_bytes": r.peak("peak_device_bytes"),
+        "headroom_bytes": headroom,
+        "worst_rank": None if worst is None else worst.rank_class.representative,
+        "rank_classes": len(r.classes),
+        "methods": "+".join(sorted(set(r.methods))),
+        "reason": r.reason,
+    }
+
+
+def _ordered(outcome: Any) -> list[Any]:
+    from hyperdryrun.search.fit import _order
+
+    return sorted(outcome.results, key=lambda r: (r.time is None, *_order(r)))
+
+
+def outcome_dict(outcome: Any) -> dict[str, Any]:
+    """Every candidate, fastest estimate first, with its classes and their figures."""
+    from hyperdryrun.search.cache import versions
+
+    job = outcome.job
+    rates = job.rates
+    out = []
+    for i, r in enumerate(_ordered(outcome)):
+        row = _row(outcome, i, r)
+        row["step_time"] = None if r.time is None else r.time.to_dict()
+        row["classes"] = [
+            {
+                "representative": c.rank_class.representative,
+                "ranks": list(c.rank_class.ranks),
+                "what": c.rank_class.describe(),
+                "cached": c.cached,
+                "seconds": round(c.seconds, 3),
+                "figures": None if c.figures is None else c.figures.to_dict(),
+                "error": c.error,
+            }
+            for c in r.classes
+        ]
+        out.append(row)
+    return {
+        "kind": "hyperdryrun-fit",
+        "schema_version": "1.0",
+        "model": job.base["model"],
+        "world_size": job.base["world"]["world_size"],
+        "gpu": job.gpu,
+        "capacity_bytes": job.capacity_bytes,
+        "global_batch_seqs": job.global_batch_seqs,
+        "seq_len": job.base["training"]["seq_len"],
+        "top": job.top,
+        "shortcut": job.shortcut,
+        "rates": None if rates is None else {k: getattr(rates, k) for k in rates.__dataclass_fields__},
+        "versions": versions(),
+        "counts": outcome.counts(),
+        "seconds": round(outcome.seconds, 3),
+        "candidates": out,
+    }
+
+
+def outcome_csv(outcome: Any) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, CSV_COLUMNS, lineterminator="\n", extrasaction="ignore")
+    w.writeheader()
+    for i, r in enumerate(_ordered(outcome)):
+        w.writerow(_row(outcome, i, r))
+    return buf.getvalue()
+
+
+def _gib(n: int | None) -> str:
+    return "—" if n is None else f"{n / 2**30:,.2f}"
+
+
+def _seconds(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:,.0f} µs"
+    return f"{s * 1e3:,.0f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None = None) -> None:
+    """The counts, the table of the layouts that fit (fastest first) and what was used to get them."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from hyperdryrun.search.fit import verdict_bytes
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    job, c = outcome.job, outcome.counts()
+    seq = job.base["training"]["seq_len"]
+    device = f"{job.gpu} " if job.gpu else ""
+    console.print(
+        f"[bold]{job.base['model']['name']}[/] · {job.base['world']['world_size']} x {device}"
+        f"({job.capacity_bytes / 2**30:g} GiB each) · global batch {job.global_batch_seqs * seq:,} tokens "
+        f"({job.global_batch_seqs} x {seq})"
+    )
+    skipped = f" · {c['skipped']} not needed (--top {job.top})" if c["skipped"] else ""
+    console.print(
+        f"candidates: {c['enumerated']} enumerated · {c['invalid']} invalid · {c['pruned']} pruned · "
+        f"{c['simulated']} simulated · {c['cached']} cached · {c['failed']} failed{skipped} · "
+        f"[bold]{c['fits']} fit[/], {c['oom']} do not"
+    )
+    ranked = outcome.ranked()
+    bases = {r.basis for r in ranked}
+    basis = bases.pop() if len(bases) == 1 else "allocated"
+    note = {
+        "allocated": "allocated bytes (the allocator's reserved/device figures are not in these results)",
+        "reserved": "the allocator model's reserved bytes",
+        "device": "the allocator model's device bytes (reserved + context and workspaces)",
+    }[basis]
+    if not quiet:
+        console.print(
+            f"fits = worst rank's peak within capacity, on {note}; peaks and headroom in GiB; "
+            "step time: roofline estimate"
+        )
+    if ranked and not quiet:
+        t = Table(show_edge=False, pad_edge=False, header_style="bold")
+        cols = ("#", "layout", "mbs x n", "AC", "est. step", "tok/s/GPU", "allocated", "reserved", "device",
+                "headroom", "worst rank", "classes", "method")  # fmt: skip
+        for col in cols:
+            left = col in ("layout", "AC", "method")
+            t.add_column(col, justify="left" if left else "right", no_wrap=col == "layout")
+        for i, r in enumerate(ranked, 1):
+            lay, w = r.candidate.layout, r.worst
+            head = job.capacity_bytes - verdict_bytes(w.figures, r.basis)
+            methods = sorted(set(r.methods))
+            cached = " (cached)" if r.cached else ""
+            t.add_row(
+                str(i), lay.label(), f"{lay.micro_batch_size} x {lay.num_micro_batches}", lay.ac,
+                _seconds(r.time.total), f"{r.time.tokens_per_s_per_gpu:,.0f}", _gib(r.peak("peak_bytes")),
+                _gib(r.peak("peak_reserved_bytes")), _gib(r.peak("peak_device_bytes")), _gib(head),
+                str(w.rank_class.representative), str(len(r.classes)), "+".join(methods) + cached,
+            )  # fmt: skip
+        console.print(t)
+    elif ranked:
+        r = ranked[0]
+        console.print(f"best: {r.candidate.layout.label()} mbs {r.candidate.layout.micro_batch_size} "
+                      f"ac {r.candidate.layout.ac}, est. step {_seconds(r.time.total)}")  # fmt: skip
+    else:
+        console.print("[red]no layout fits[/]")
+    failed = [r for r in outcome.results if r.status == "failed"]
+    if failed and not quiet:
+        reasons: dict[str, int] = {}
+        for r in failed:
+            reasons[r.reason.split(": ", 1)[-1]] = reasons.get(r.reason.split(": ", 1)[-1], 0) + 1
+        for reason, n in reasons.items():
+            console.print(f"[red]failed[/] ({n}): {reason}", soft_wrap=True)
+    if not quiet:
+        console.print(
+            f"rank classes: {c['rank_classes']} simulations for the {c['simulated'] + c['cached']} layouts dry-run; "
+            f"{c['extrapolated']} extrapolated from samples (exact), the rest in full · {outcome.seconds:,.1f} s"
+        )
+        for p in written or []:
+            console.print(f"[dim]wrote {p}[/]", soft_wrap=True)

@@ -1,0 +1,302 @@
+"""The layout search behind ``hyperdryrun fit``: which layouts of a job fit the device, fastest first.
+
+1. Enumerate the candidates of the search space (:mod:`hyperdryrun.search.space`) and drop the invalid ones (the
+   layout's own rules, a global batch that does not split).
+2. Estimate each one's step time (:mod:`hyperdryrun.search.roofline`) and prune those whose sharded parameters,
+   gradients and optimizer states alone exceed the capacity on some rank (:mod:`hyperdryrun.search.bounds`: a
+   lower bound on the dry-run peak, so nothing that fits is pruned).
+3. Dry-run the rest, fastest first, one representative rank per rank class (:mod:`hyperdryrun.search.classes`),
+   each through the exact shortcut where it holds (:mod:`hyperdryrun.search.extrapolate`), answered from the cache
+   when the same rank of the same job ran before; with ``top`` > 0 the search stops once the ``top`` fastest layouts
+   that fit are known (slower ones cannot enter the table).
+
+A layout fits when its worst rank's peak is within the capacity, the peak being the allocator model's device figure
+when the reports carry it, else its reserved figure, else the allocated bytes (:func:`verdict_figure` says which).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from hyperdryrun.search.bounds import StateBound, worst_state_bound
+from hyperdryrun.search.cache import ResultCache, job_key, versions
+from hyperdryrun.search.classes import RankClass, rank_classes
+from hyperdryrun.search.executors import SimTask, TaskResult
+from hyperdryrun.search.extrapolate import EXTRAPOLATED, StepFigures
+from hyperdryrun.search.roofline import Rates, StepTime, step_time
+from hyperdryrun.search.space import DEFAULT_TOP, Candidate, SearchSpace, candidates
+
+FITS, OOM, INVALID, PRUNED, FAILED, SKIPPED = "fits", "oom", "invalid", "pruned", "failed", "skipped"
+STATUSES = (FITS, OOM, INVALID, PRUNED, FAILED, SKIPPED)
+
+
+@dataclass(frozen=True)
+class FitJob:
+    """What a search is asked: the base job (a job config as a dict; its parallel degrees and batch are searched),
+    the capacity per device, the global batch in sequences, the space, the rates of the step-time estimate."""
+
+    base: dict[str, Any]
+    capacity_bytes: int
+    global_batch_seqs: int
+    space: SearchSpace = SearchSpace()
+    rates: Rates | None = None
+    gpu: str | None = None
+    top: int = DEFAULT_TOP
+    """Stop once this many fitting layouts, the fastest, are known (0: dry-run every candidate that survives)."""
+    shortcut: bool = True
+
+
+@dataclass
+class ClassResult:
+    """One rank class of a candidate and its representative's figures (or why they are missing)."""
+
+    rank_class: RankClass
+    key: str
+    figures: StepFigures | None = None
+    error: str | None = None
+    cached: bool = False
+    seconds: float = 0.0
+
+
+@dataclass
+class CandidateResult:
+    candidate: Candidate
+    status: str
+    reason: str = ""
+    time: StepTime | None = None
+    bound: StateBound | None = None
+    classes: list[ClassResult] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.classes) and all(c.figures is not None or c.error for c in self.classes)
+
+    def over(self, capacity: int) -> ClassResult | None:
+        """A class already known to exceed ``capacity`` on allocated bytes, which every other figure includes (the
+        candidate cannot fit, whatever the others give)."""
+        return next(
+            (c for c in self.classes if c.figures is not None and c.figures.peak_bytes > capacity), None
+        )
+
+    @property
+    def basis(self) -> str:
+        """The figure this candidate's verdict reads (:func:`verdict_figure` over its classes)."""
+        return verdict_figure([c.figures for c in self.classes if c.figures is not None])
+
+    @property
+    def cached(self) -> bool:
+        ran = [c for c in self.classes if c.figures is not None or c.error]
+        return bool(ran) and all(c.cached for c in ran)
+
+    @property
+    def worst(self) -> ClassResult | None:
+        """The class with the largest verdict figure."""
+        ok = [c for c in self.classes if c.figures is not None]
+        basis = self.basis
+        return max(
+            ok, key=lambda c: (verdict_bytes(c.figures, basis), -c.rank_class.representative), default=None
+        )
+
+    def peak(self, name: str) -> int | None:
+        """The worst rank's ``peak_bytes`` / ``peak_reserved_bytes`` / ``peak_device_bytes``."""
+        values = [getattr(c.figures, name) for c in self.classes if c.figures is not None]
+        return None if not values or any(v is None for v in values) else max(values)
+
+    @property
+    def simulated_classes(self) -> list[ClassResult]:
+        """The classes that have figures (all of them, unless an OOM made the rest unnecessary)."""
+        return [c for c in self.classes if c.figures is not None]
+
+    @property
+    def methods(self) -> list[str]:
+        return [c.figures.method for c in self.classes if c.figures is not None]
+
+
+def verdict_figure(figures: StepFigures | list[StepFigures]) -> str:
+    """Which figure the capacity is checked against: ``device``, else ``reserved``, else ``allocated``, the first
+    that every one of ``figures`` (a candidate's classes) has."""
+    many = figures if isinstance(figures, list) else [figures]
+    if not many:
+        return "allocated"
+    if all(f.peak_device_bytes is not None for f in many):
+        return "device"
+    return "reserved" if all(f.peak_reserved_bytes is not None for f in many) else "allocated"
+
+
+def verdict_bytes(figures: StepFigures, basis: str | None = None) -> int:
+    """``figures``' peak on ``basis`` (default: the most complete figure it has)."""
+    name = basis or verdict_figure(figures)
+    if name == "device":
+        return figures.peak_device_bytes or 0
+    return (figures.peak_reserved_bytes if name == "reserved" else figures.peak_bytes) or 0
+
+
+@dataclass
+class FitOutcome:
+    job: FitJob
+    results: list[CandidateResult]
+    seconds: float = 0.0
+
+    def counts(self) -> dict[str, int]:
+        out = {"enumerated": len(self.results)}
+        out.update({s: sum(r.status == s for r in self.results) for s in STATUSES})
+        ran = [r for r in self.results if r.classes and r.status in (FITS, OOM, FAILED)]
+        out["simulated"] = sum(not r.cached for r in ran)
+        out["cached"] = sum(r.cached for r in ran)
+        out["extrapolated"] = sum(1 for r in ran for m in r.methods if m == EXTRAPOLATED)
+        out["rank_classes"] = sum(len(r.simulated_classes) for r in ran)
+        return out
+
+    def ranked(self) -> list[CandidateResult]:
+        """The layouts that fit, fastest first (at most ``top`` when it is set)."""
+        fits = sorted((r for r in self.results if r.status == FITS), key=_order)
+        return fits[: self.job.top] if self.job.top else fits
+
+
+def _order(r: CandidateResult) -> tuple[float, int]:
+    return (r.time.total if r.time else float("inf"), r.candidate.index)
+
+
+Progress = Callable[[FitOutcome], None]
+
+
+def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | None = None) -> FitOutcome:
+    """Run the search (see the module docstring) with ``executor`` (``imap(tasks)``) and ``cache``."""
+    from hyperdryrun.search.roofline import rates_for
+
+    t0 = time.perf_counter()
+    rates = job.rates or rates_for(job.gpu)
+    outcome = FitOutcome(job, [])
+    survivors: list[CandidateResult] = []
+    for cand in candidates(job.base, job.space, job.global_batch_seqs):
+        if cand.cfg is None:
+            outcome.results.append(CandidateResult(cand, INVALID, cand.problem or ""))
+            continue
+        classes = rank_classes(cand.cfg)
+        bound = worst_state_bound(cand.cfg, [c.representative for c in classes])
+        result = CandidateResult(cand, "", time=step_time(cand.cfg, rates, bound.param_elements), bound=bound)
+        outcome.results.append(result)
+        if bound.bytes > job.capacity_bytes:
+            result.status, result.reason = (
+                PRUNED,
+                (
+                    f"rank {bound.rank}: sharded parameters + gradients + optimizer states alone are "
+                    f"{bound.bytes / 2**30:.2f} GiB > {job.capacity_bytes / 2**30:.2f} GiB"
+                ),
+            )
+            continue
+        # The stage with the most micro batches in flight (the first), then the others: an OOM there settles it.
+        ordered = sorted(classes, key=lambda c: (c.pp, c.representative))
+        result.classes = [ClassResult(c, _key(cand.cfg, c, job.shortcut)) for c in ordered]
+        survivors.append(result)
+    survivors.sort(key=_order)
+    if on_progress:
+        on_progress(outcome)
+    by_key = {c.key: (r, c) for r in survivors for c in r.classes}
+    started: set[int] = set()
+
+    def tasks() -> Iterator[SimTask]:
+        for r in survivors:
+            if _enough(survivors, job.top):
+                return
+            started.add(id(r))
+            for c in r.classes:
+                if r.over(job.capacity_bytes):
+                    break  # one rank over the capacity decides: the others are not needed
+                hit = cache.get("figures", c.key)
+                if hit is not None:
+                    c.figures, c.cached = StepFigures.from_dict(hit), True
+                    continue
+                yield SimTask(c.key, _rank_job(r.candidate, c.rank_class), job.shortcut, _dir(cache))
+            _settle(r, job.capacity_bytes)
+            if on_progress:
+                on_progress(outcome)
+
+    for res in executor.imap(tasks()):
+        r, c = by_key[res.key]
+        _take(res, c, cache)
+        _settle(r, job.capacity_bytes)
+        if on_progress:
+            on_progress(outcome)
+    for r in survivors:
+        if id(r) not in started:
+            r.status, r.reason, r.classes = SKIPPED, f"not needed: {job.top} faster layouts fit", []
+    outcome.seconds = time.perf_counter() - t0
+    return outcome
+
+
+def _key(cfg: Any, c: RankClass, shortcut: bool) -> str:
+    data = cfg.model_dump()
+    data["world"] = {**data["world"], "rank": c.representative}
+    return job_key(data, "figures", shortcut=shortcut)
+
+
+def _rank_job(cand: Candidate, c: RankClass) -> dict[str, Any]:
+    assert cand.cfg is not None
+    data = cand.cfg.model_dump()
+    data["world"] = {**data["world"], "rank": c.representative}
+    return data
+
+
+def _dir(cache: ResultCache) -> str | None:
+    return None if cache.directory is None else str(cache.directory)
+
+
+def _take(res: TaskResult, c: ClassResult, cache: ResultCache) -> None:
+    c.seconds = res.seconds
+    if res.error:
+        c.error = res.error
+        return
+    if res.versions and res.versions != versions():
+        c.error = f"computed with {res.versions}, this process has {versions()}: install the same versions"
+        return
+    assert res.figures is not None
+    c.figures = StepFigures.from_dict(res.figures)
+    cache.put("figures", c.key, res.figures)
+
+
+def _settle(r: CandidateResult, capacity: int) -> None:
+    """Give ``r`` its status once every class has an answer, or once one class is over the capacity (the classes
+    not run then stay without figures)."""
+    over = r.over(capacity)
+    if over is not None and not any(c.error for c in r.classes):
+        _verdict(r, r.worst or over, capacity)
+        return
+    if not r.done:
+        return
+    failed = [c for c in r.classes if c.error]
+    if failed:
+        c = failed[0]
+        r.status, r.reason = FAILED, f"rank {c.rank_class.representative}: {c.error}"
+        return
+    worst = r.worst
+    assert worst is not None
+    _verdict(r, worst, capacity)
+
+
+def _verdict(r: CandidateResult, worst: ClassResult, capacity: int) -> None:
+    assert worst.figures is not None
+    basis = r.basis
+    peak = verdict_bytes(worst.figures, basis)
+    r.status = FITS if peak <= capacity else OOM
+    r.reason = (
+        f"rank {worst.rank_class.representative}: {basis} peak "
+        f"{peak / 2**30:.2f} GiB {'<=' if peak <= capacity else '>'} {capacity / 2**30:.2f} GiB"
+    )
+
+
+def _enough(ordered: list[CandidateResult], top: int) -> bool:
+    """Whether the ``top`` fastest fitting layouts are known: that many fit among the finished fastest ones."""
+    if not top:
+        return False
+    fits = 0
+    for r in ordered:
+        if not r.status:
+            return False
+        fits += r.status == FITS
+        if fits >= top:
+            return True
+    return False

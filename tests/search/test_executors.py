@@ -1,0 +1,73 @@
+"""Executors: local worker processes and a local Ray instance give the results of running the tasks here."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperdryrun.search.executors import InlineExecutor, LocalExecutor, SimTask, executor_for, run_task
+from tests.conftest import job
+
+
+def _tasks() -> list[SimTask]:
+    out = []
+    for rank in (0, 2):
+        cfg = job(world__world_size=3, world__rank=rank)
+        out.append(SimTask(f"rank{rank}", cfg.model_dump(), shortcut=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def here():
+    return {r.key: r.figures for r in InlineExecutor().imap(_tasks())}
+
+
+def test_run_task_reports_a_bad_job_on_one_line():
+    bad = job().model_dump()
+    bad["model"]["n_layers"] = 0
+    result = run_task(SimTask("bad", bad))
+    assert result.figures is None and result.error_kind == "bad input"
+    assert "model.n_layers" in result.error and "\n" not in result.error
+
+
+def test_local_worker_processes_give_the_same_figures(here):
+    got = {r.key: r.figures for r in LocalExecutor(2).imap(_tasks())}
+    assert got == here
+    assert here["rank0"]["peak_bytes"] != here["rank2"]["peak_bytes"]  # uneven shards: two different answers
+
+
+def test_stopping_early_stops_the_workers():
+    results = LocalExecutor(2).imap(_tasks())
+    first = next(results)
+    results.close()  # the generator's cleanup kills and reaps the workers
+    assert first.key in ("rank0", "rank2")
+
+
+def test_executor_names():
+    assert isinstance(executor_for("local", 1), InlineExecutor)
+    assert isinstance(executor_for("local", 2), LocalExecutor)
+    with pytest.raises(ValueError, match="choose local or ray"):
+        executor_for("slurm", 1)
+
+
+def test_ray_executor_on_a_local_ray_instance(here):
+    # ray is in the dev extra, so CI runs this test: a missing ray is a failure here, not a skip.
+    import ray
+
+    from hyperdryrun.search.executors import RayExecutor
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        executor = RayExecutor()
+        assert executor.jobs == 2
+        got = {r.key: r.figures for r in executor.imap(_tasks())}
+    finally:
+        ray.shutdown()
+    assert got == here
+
+
+def test_ray_needs_an_address_when_not_connected(monkeypatch):
+    from hyperdryrun.search.executors import RayExecutor
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ValueError, match="--ray-address"):
+        RayExecutor()
