@@ -231,7 +231,9 @@ class LlamaTransformer(DecoderLM):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by layer index, as torchtitan does, so that FQNs stay stable under splitting.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, max_seq_len) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(args, max_seq_len) for i in range(args.n_layers)}
+        )
         self.norm = rms_norm(args.dim, args.norm_eps, args.norm)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
