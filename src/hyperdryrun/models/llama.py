@@ -34,6 +34,9 @@ class LlamaArgs:
     ``fp32-unfused`` the reference's normalise-in-fp32 module of torchtitan's 2024 releases."""
     fuse_qkv: bool = True
     """One ``wqkv`` projection split into q, k, v (torchtitan 0.3.0) instead of ``wq``, ``wk``, ``wv``."""
+    rope: Literal["per-layer", "shared"] = "per-layer"
+    """RoPE table: one ``cache`` buffer per attention (torchtitan 0.3.0) or one ``rope_cache`` buffer of the model
+    that every layer reads (torchtitan's 2024 releases)."""
 
     @property
     def head_dim(self) -> int:
@@ -141,7 +144,8 @@ class Attention(nn.Module):
             self.wk = nn.Linear(args.dim, kv, bias=False)
             self.wv = nn.Linear(args.dim, kv, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.rope = RotaryEmbedding(self.head_dim, max_seq_len, args.rope_theta)
+        per_layer = args.rope == "per-layer"
+        self.rope = RotaryEmbedding(self.head_dim, max_seq_len, args.rope_theta) if per_layer else None
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bs, seq, _ = x.shape
@@ -154,10 +158,11 @@ class Attention(nn.Module):
         # Each made contiguous, as torchtitan does (copies of the strided split).
         return tuple(t.reshape(bs, seq, -1, hd).contiguous() for t in (q, k, v))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        """``rope``: the model's shared table, or None (positions 0..seq-1 of this layer's own table)."""
         bs, seq, _ = x.shape
         q, k, v = self.qkv(x)
-        q, k = self.rope(q, k, positions)
+        q, k = self.rope(q, k, rope) if self.rope is not None else (apply_rope(q, rope), apply_rope(k, rope))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
         out = out.transpose(1, 2).contiguous().view(bs, seq, -1)
@@ -183,8 +188,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = rms_norm(args.dim, args.norm_eps, args.norm)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), positions)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -230,6 +235,10 @@ class LlamaTransformer(DecoderLM):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        if args.rope == "shared":
+            self.register_buffer(
+                "rope_cache", rope_cache(args.head_dim, max_seq_len, args.rope_theta), persistent=False
+            )
         # A ModuleDict keyed by layer index, as torchtitan does, so that FQNs stay stable under splitting.
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(args, max_seq_len) for i in range(args.n_layers)}
@@ -239,10 +248,10 @@ class LlamaTransformer(DecoderLM):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def rope_input(self, h: torch.Tensor) -> None:
-        """No positions: each layer's RoPE gathers rows 0..seq-1 of its own table (torchtitan's data loader gives
-        one document per row)."""
-        return None
+    def rope_input(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The shared table, or None: each layer's RoPE gathers rows 0..seq-1 of its own table (torchtitan's data
+        loader gives one document per row)."""
+        return self.rope_cache if self.args.rope == "shared" else None
 
     def init_weights(self) -> None:
         """Real initialisation (used only by real execution; a dry run needs no values)."""
@@ -277,6 +286,9 @@ def init_llama_weights(model: DecoderLM) -> None:
             local.fill_(1.0)
         else:
             local.normal_(std=1.0 / math.sqrt(args.dim))
+    if args.rope == "shared":
+        cache = model.rope_cache
+        cache.copy_(rope_cache(args.head_dim, cache.shape[0], args.rope_theta).to(cache.dtype))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             cache = module.cache
