@@ -232,7 +232,7 @@ def _in_workers(
 
 
 @contextlib.contextmanager
-def _stop_signals_blocked() -> Iterator[None]:
+def stop_signals_blocked() -> Iterator[None]:
     """Hold SIGINT/SIGTERM while a worker starts: the child inherits the mask, so a Ctrl-C cannot hit it before it
     ignores SIGINT, and here the signal arrives (not lost) once the worker is registered to be killed."""
     if not hasattr(signal, "pthread_sigmask"):
@@ -251,7 +251,7 @@ def _start_worker(ctx: Any, running: dict[Any, tuple[int, Any]], rank: int, args
         target=_worker, args=(send, os.getpid(), *args), name=f"hyperdryrun-rank-{rank}", daemon=True
     )
     try:
-        with _stop_signals_blocked():
+        with stop_signals_blocked():
             proc.start()
             running[receive] = (rank, proc)
     except BaseException:
@@ -290,7 +290,7 @@ def _worker(
     conn: Any, parent_pid: int, data: dict[str, Any], capture_stacks: bool, execute: Execute | None, mode: str
 ) -> None:
     """A worker process: run one rank and send its report back (never writes a file)."""
-    _bind_to_parent(parent_pid)
+    bind_to_parent(parent_pid)
     rank = data["world"]["rank"]
     try:
         from hyperdryrun.config import build_config
@@ -308,8 +308,9 @@ def _worker(
     os._exit(0)  # no interpreter teardown: the parent is waiting to reap this process
 
 
-def _bind_to_parent(parent_pid: int) -> None:
-    """Ignore Ctrl-C (the parent stops the run) and die with the parent, then let the held signals in."""
+def bind_to_parent(parent_pid: int) -> None:
+    """In a worker process: ignore Ctrl-C (the parent stops the run) and die with the parent, then let the signals
+    the parent held while it started (:func:`stop_signals_blocked`) in."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not _die_with_parent():
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()

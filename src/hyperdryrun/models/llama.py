@@ -8,7 +8,9 @@ output, so a column-sharded ``wq`` simply yields fewer heads on each rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -144,8 +146,7 @@ class TransformerBlock(nn.Module):
 
 class DecoderLM(nn.Module):
     """What every built-in decoder shares: tokens -> embedding -> layers (with the RoPE table) -> norm -> logits,
-    and the cut to one pipeline stage. Subclasses build ``tok_embeddings``, ``rope_cache``, ``layers``, ``norm`` and
-    ``output``."""
+    and the cut to one pipeline stage. Subclasses build those parts with :meth:`build_parts`, giving their block."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage is this model with some parts removed (``keep_stage``): it then takes or returns
@@ -155,6 +156,23 @@ class DecoderLM(nn.Module):
             h = layer(h, self.rope_cache)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def build_parts(
+        self, args: Any, rope_dim: int, max_seq_len: int, block: Callable[[int], nn.Module]
+    ) -> None:
+        """Build the shared parts, in this order (it is the parameters' order): the embedding, the RoPE table of
+        ``rope_dim`` per head, ``block(i)`` for each layer, the final norm and the output head (tied if asked)."""
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.register_buffer(
+            "rope_cache", rope_cache(rope_dim, max_seq_len, args.rope_theta), persistent=False
+        )
+        # A ModuleDict keyed by layer index, as torchtitan does, so that FQNs stay stable under splitting.
+        self.layers = nn.ModuleDict({str(i): block(i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     def keep_stage(self, layers: range, embedding: bool, head: bool) -> None:
         """Reduce the model to one pipeline stage: decoder layers ``layers`` (global indices, so FQNs stay those
@@ -173,17 +191,7 @@ class LlamaTransformer(DecoderLM):
 
     def __init__(self, args: LlamaArgs, max_seq_len: int) -> None:
         super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer(
-            "rope_cache", rope_cache(args.head_dim, max_seq_len, args.rope_theta), persistent=False
-        )
-        # A ModuleDict keyed by layer index, as torchtitan does, so that FQNs stay stable under splitting.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.build_parts(args, args.head_dim, max_seq_len, lambda i: TransformerBlock(args))
 
     def init_weights(self) -> None:
         """Real initialisation (used only by real execution; a dry run needs no values)."""

@@ -271,16 +271,7 @@ class MoETransformer(DecoderLM):
 
     def __init__(self, args: MoEArgs, max_seq_len: int) -> None:
         super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer(
-            "rope_cache", rope_cache(rope_dim(args), max_seq_len, args.rope_theta), persistent=False
-        )
-        self.layers = nn.ModuleDict({str(i): MoEBlock(args, i) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.build_parts(args, rope_dim(args), max_seq_len, lambda i: MoEBlock(args, i))
 
     def init_weights(self) -> None:
         """Real initialisation (used only by real execution; a dry run needs no values)."""

@@ -19,7 +19,6 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Iterable, Iterator
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hyperdryrun.report.build import one_line
+from hyperdryrun.runner import bind_to_parent, stop_signals_blocked
 
 
 @dataclass(frozen=True)
@@ -155,38 +155,18 @@ class LocalExecutor:
         proc = ctx.Process(
             target=_worker, args=(there, os.getpid()), name="hyperdryrun-fit-worker", daemon=True
         )
-        old = _block_stop_signals()
         try:
-            proc.start()
+            with stop_signals_blocked():
+                proc.start()
         finally:
-            _restore_signals(old)
             there.close()
         procs[here] = proc
         return here
 
 
-_STOP = {signal.SIGINT, signal.SIGTERM}
-
-
-def _block_stop_signals() -> Any:
-    """Hold SIGINT/SIGTERM while a worker starts, so the child inherits them blocked until it ignores Ctrl-C."""
-    return signal.pthread_sigmask(signal.SIG_BLOCK, _STOP) if hasattr(signal, "pthread_sigmask") else None
-
-
-def _restore_signals(old: Any) -> None:
-    if old is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 def _worker(conn: Any, parent_pid: int) -> None:
     """A worker: run tasks until the parent closes the pipe; ignores Ctrl-C and dies with the parent."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not _die_with_parent():
-        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP)
+    bind_to_parent(parent_pid)
     while True:
         try:
             task = conn.recv()
@@ -203,24 +183,6 @@ def _worker(conn: Any, parent_pid: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _die_with_parent() -> bool:
-    """Linux: the kernel sends this process SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)
 
 
 class RayExecutor:
