@@ -152,21 +152,27 @@ def test_peak_marker_sits_at_the_reported_peak_task_and_bytes(page: Page, run_di
 
 
 def test_clicking_a_live_set_row_shows_its_python_stack(page: Page, run_dir: Path) -> None:
-    """Filtered to the blocks allocated at llama.py:199 (the loss), the first row opens the stack that the CSV
+    """Filtered to the blocks allocated at the loss's line of llama.py, the first row opens the stack that the CSV
     records for that block (block ids are CSV row numbers)."""
+    import inspect
+
+    from hyperdryrun.models.llama import cross_entropy_loss
+
+    lines, first = inspect.getsourcelines(cross_entropy_loss)
+    loss = first + next(i for i, text in enumerate(lines) if "F.cross_entropy(" in text)
     report, rows = _rank0(run_dir)
     alive = live_at(rows, report["summary"]["peak_task"])
-    at_199 = [r for r in alive if re.search(r"llama\.py;Line:199;", r["python_stack"])]
-    assert at_199
-    page.page.fill("#liveset input[type=search]", "llama.py:199")
-    assert _count(page) == len(at_199)
+    at_loss = [r for r in alive if re.search(rf"llama\.py;Line:{loss};", r["python_stack"])]
+    assert at_loss
+    page.page.fill("#liveset input[type=search]", f"llama.py:{loss}")
+    assert _count(page) == len(at_loss)
     page.page.click("#liveset tbody tr.row")
     detail = page.page.inner_text("#liveset tr.detail")
     block = int(re.search(r"block (\d+)", detail)[1])
     frames = [f.split(";") for f in rows[block]["python_stack"].split("|")]
     shown = [ln.strip() for ln in page.page.locator("#liveset tr.detail .frame").all_inner_texts()]
     assert shown == [f"{f[0][5:]}:{f[1][5:]} in {f[2][9:]}" for f in frames]
-    assert any(s.endswith("llama.py:199 in cross_entropy_loss") for s in shown)
+    assert any(s.endswith(f"llama.py:{loss} in cross_entropy_loss") for s in shown)
     page.clean()
 
 
