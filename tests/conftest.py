@@ -20,6 +20,18 @@ def job(**over):
     return build_config(data)
 
 
+def cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``hyperdryrun <argv>`` in-process: (exit code, stdout, stderr); argparse's usage errors give their exit code."""
+    from hyperdryrun.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
 def dry_run(**over):
     return run_job(job(**over))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hyperdryrun.cli import main
+from tests.conftest import cli
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 GIB = 2**30
@@ -30,12 +31,7 @@ def _clean_env(monkeypatch, tmp_path):
 
 def run_cli(argv, capsys):
     """``hyperdryrun run <argv>`` in-process: (exit code, stdout, stderr)."""
-    try:
-        rc = main(["run", *argv])
-    except SystemExit as exc:  # argparse usage errors
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
+    return cli(["run", *argv], capsys)
 
 
 def files_under(root: Path) -> set[str]:

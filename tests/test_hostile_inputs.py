@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from hyperdryrun.cli import main
 from hyperdryrun.ingest.files import LIMITS
 from hyperdryrun.report.schema import CSV_COLUMNS
+from tests.conftest import cli
 from tests.ingest.fixtures.make_fixtures import snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,15 +34,6 @@ def _scratch(monkeypatch, tmp_path):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *LIMIT_VARS):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
-
-
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        rc = main(argv)
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def assert_bad_input(rc: int, err: str, *needles: str) -> None:

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from hyperdryrun.cli import build_parser, main
+from hyperdryrun.cli import build_parser
 from hyperdryrun.commands import measure as measure_command
 from hyperdryrun.commands.job import check_host_cost, job_from_args, setup_seconds
 from hyperdryrun.config import ConfigError, build_config
+from tests.conftest import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
@@ -25,15 +26,6 @@ def _scratch(monkeypatch, tmp_path):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "HYPERDRYRUN_MAX_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
-
-
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        rc = main(argv)
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 # ---------------------------------------------------------------------------------------------------------

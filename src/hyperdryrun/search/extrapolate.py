@@ -124,25 +124,10 @@ class StepFigures:
 
 
 def figures_from_report(report: dict[str, Any], method: str = FULL, detail: str = "") -> StepFigures:
-    """The figures of an ok JSON report (what a full simulation gives)."""
-    s = report["summary"]
-    phases = {
-        name: PhasePeak(p["peak_bytes"], p["peak_op"], dict(p["breakdown_at_peak"]))
-        for name, p in report["phases"].items()
-    }
-    return StepFigures(
-        peak_bytes=s["peak_bytes"],
-        peak_phase=s["peak_phase"],
-        peak_op=s["peak_op"],
-        breakdown_at_peak=dict(s["breakdown_at_peak"]),
-        initial_bytes=s["initial_bytes"],
-        current_bytes=s["current_bytes"],
-        breakdown_after_step=dict(s["breakdown_after_step"]),
-        phases=phases,
-        peak_reserved_bytes=s.get("peak_reserved_bytes"),
-        peak_device_bytes=s.get("peak_device_bytes"),
-        method=method,
-        detail=detail,
+    """The figures of an ok JSON report (what a full simulation gives): its summary and phases, as
+    :meth:`StepFigures.from_dict` reads them."""
+    return StepFigures.from_dict(
+        {**report["summary"], "phases": report["phases"], "method": method, "detail": detail}
     )
 
 
