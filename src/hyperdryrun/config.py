@@ -61,6 +61,11 @@ class ModelConfig(_Strict):
     norm_eps: float | None = Field(None, gt=0)
     rope_theta: float | None = Field(None, gt=0)
     tie_embeddings: bool | None = None
+    # --- the preset's torchtitan choices (None: the preset's, torchtitan 0.3.0's) ---
+    norm: Literal["fused", "fp32-unfused"] | None = None
+    """RMSNorm: ``fused`` (nn.RMSNorm, torchtitan 0.3.0) or ``fp32-unfused`` (torchtitan's 2024 releases)."""
+    fuse_qkv: bool | None = None
+    """Dense models: one fused q/k/v projection (torchtitan 0.3.0) or three."""
     # --- MoE models (presets of hyperdryrun.models.moe) ---
     num_experts: int | None = Field(None, gt=0, le=MAX_HEADS)
     top_k: int | None = Field(None, gt=0, le=MAX_HEADS)
@@ -97,6 +102,17 @@ class ModelConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _preset_fields_need_builtin(self) -> ModelConfig:
+        if hf.is_hf_name(self.name):
+            for f in BUILTIN_FIELDS:
+                if getattr(self, f) is not None:
+                    raise ValueError(
+                        f"model.{f}={getattr(self, f)} applies to built-in presets, {self.name!r} is a Hugging Face "
+                        "model (its structure is its config's)"
+                    )
+        return self
+
+    @model_validator(mode="after")
     def _moe_fields_need_moe(self) -> ModelConfig:
         if not self.is_moe:
             for f in MOE_FIELDS:
@@ -104,6 +120,10 @@ class ModelConfig(_Strict):
                     raise ValueError(
                         f"model.{f}={getattr(self, f)} needs an MoE model, {self.name!r} is dense"
                     )
+        else:
+            for f in DENSE_FIELDS:
+                if getattr(self, f) is not None:
+                    raise ValueError(f"model.{f}={getattr(self, f)} applies to dense models, {self.name!r} is MoE")
         return self
 
     @property
@@ -126,6 +146,8 @@ class ModelConfig(_Strict):
 
 
 MOE_FIELDS = ("num_experts", "top_k", "moe_ffn_dim", "num_shared_experts", "n_dense_layers")
+DENSE_FIELDS = ("fuse_qkv",)
+BUILTIN_FIELDS = ("norm", "fuse_qkv")
 
 
 class ParallelConfig(_Strict):
@@ -150,6 +172,9 @@ class ParallelConfig(_Strict):
     """Decoder layers of each pipeline stage, in stage order (default: torchtitan's even split)."""
     cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """How ring attention passes K/V between CP ranks (torch 2.13 ``set_rotate_method``; torchtitan's default)."""
+    fsdp_wrap: Literal["torchtitan", "torchtitan-2024"] = "torchtitan"
+    """FSDP2 units: ``torchtitan`` (0.3.0: embedding, each block, norm + head kept unsharded after forward) or
+    ``torchtitan-2024`` (each block, the last one kept unsharded; the root holds embedding, norm and head)."""
 
     @field_validator("pp_stage_layers")
     @classmethod
@@ -180,7 +205,12 @@ class TrainingConfig(_Strict):
     """Gradient accumulation: micro batches per optimizer step."""
     ac: Literal["none", "full", "selective"] = "none"
     ac_selective: str = "op"
-    """``op`` (save matmul and attention outputs, recompute the rest) or ``k`` (checkpoint every k-th layer)."""
+    """``op`` (torchtitan 0.3.0: save compute-heavy ops' outputs but recompute every second matmul),
+    ``op-save-all-matmuls`` (save every matmul and attention output) or ``k`` (checkpoint every k-th layer)."""
+    loss: Literal["cross-entropy", "chunked"] = "cross-entropy"
+    """``chunked``: torchtitan's ChunkedLossWrapper, the output head and the loss run per sequence chunk."""
+    loss_chunks: int | None = Field(None, gt=0)
+    """Sequence chunks of the chunked loss (default :data:`DEFAULT_LOSS_CHUNKS`, torchtitan's)."""
     optimizer: Literal["AdamW", "Adam", "SGD"] = "AdamW"
     optimizer_impl: Literal["foreach", "fused", "for-loop"] = "foreach"
     lr: float = Field(3e-4, gt=0)
@@ -190,9 +220,29 @@ class TrainingConfig(_Strict):
     @field_validator("ac_selective")
     @classmethod
     def _ac_option(cls, v: str) -> str:
-        if v != "op" and not (v.isdigit() and int(v) > 0):
-            raise ValueError(f"must be 'op' or a positive layer interval, got {v!r}")
+        if v not in AC_SELECTIVE_OPS and not (v.isdigit() and int(v) > 0):
+            raise ValueError(f"must be one of {', '.join(AC_SELECTIVE_OPS)} or a positive layer interval, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _loss_chunks_need_chunked(self) -> TrainingConfig:
+        if self.loss_chunks is not None and self.loss != "chunked":
+            raise ValueError(f"training.loss_chunks={self.loss_chunks} has no effect without training.loss='chunked'")
+        if self.loss == "chunked" and self.seq_len % self.chunks:
+            raise ValueError(
+                f"training.loss_chunks={self.chunks} must divide training.seq_len={self.seq_len} (equal chunks)"
+            )
+        return self
+
+    @property
+    def chunks(self) -> int:
+        """Sequence chunks of the chunked loss."""
+        return DEFAULT_LOSS_CHUNKS if self.loss_chunks is None else self.loss_chunks
+
+
+AC_SELECTIVE_OPS = ("op", "op-save-all-matmuls")
+DEFAULT_LOSS_CHUNKS = 8
+"""torchtitan 0.3.0's ``ChunkedLossWrapper.Config.num_chunks``."""
 
 
 class ValuesConfig(_Strict):
@@ -280,7 +330,8 @@ class JobConfig(_Strict):
         if self.model.is_moe:
             self._check_routing(m)
         self._check_effective()
-        if t.ac == "selective" and t.ac_selective != "op" and int(t.ac_selective) > m.n_layers:
+        self._check_preset_choices(fsdp_off)
+        if t.ac == "selective" and t.ac_selective.isdigit() and int(t.ac_selective) > m.n_layers:
             raise ValueError(f"training.ac_selective={t.ac_selective} exceeds model.n_layers={m.n_layers}")
         return self
 
@@ -331,6 +382,21 @@ class JobConfig(_Strict):
                     f"values.{name}={getattr(v, name)} has no effect with values.routing={v.routing!r} (it is for "
                     f"values.routing: {routing} / --routing {routing})"
                 )
+
+    def _check_preset_choices(self, fsdp_off: bool) -> None:
+        """The torchtitan choices of the built-in presets (chunked loss, FSDP units) where the layout uses them."""
+        t, p = self.training, self.parallel
+        if t.loss == "chunked" and (p.pp > 1 or p.cp > 1):
+            raise ValueError(
+                f"training.loss='chunked' is not built with parallel.pp={p.pp} / parallel.cp={p.cp} (needs 1)"
+            )
+        if t.loss == "chunked" and hf.is_hf_name(self.model.name):
+            raise ValueError(f"training.loss='chunked' applies to built-in presets, {self.model.name!r} is not one")
+        if p.fsdp_wrap != _default(ParallelConfig, "fsdp_wrap") and fsdp_off:
+            raise ValueError(
+                f"parallel.fsdp_wrap={p.fsdp_wrap!r} has no effect: FSDP2 is not applied "
+                "(no data sharding, replication, CP or mixed precision)"
+            )
 
     def _check_routing(self, m: Any) -> None:
         """The MoE routing scenario against the model's experts and one micro batch's tokens."""

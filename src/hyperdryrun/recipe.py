@@ -57,8 +57,68 @@ def llama_loss(model, batch) -> torch.Tensor:
     return cross_entropy_loss(model(tokens), labels)
 
 
+class _HiddenGradient(torch.autograd.Function):
+    """The chunked loss's bridge into the decoder's backward: the loss value, whose gradient for the hidden states
+    is the one the chunks accumulated (torchtitan's ``_DecoderOutputGradientBackProp``)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad, None, None
+
+
+def chunked_loss(num_chunks: int):
+    """torchtitan 0.3.0's ``ChunkedLossWrapper``: the decoder returns normed hidden states; each of ``num_chunks``
+    sequence chunks (detached leaves) runs the output head, the fp32 loss and its backward at once, its gradient
+    copied into one fp32 buffer; the head stays unsharded across chunks and reduces its gradient at the last."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def loss_fn(model, batch) -> torch.Tensor:
+        tokens, labels = batch
+        model.skip_output = True
+        hidden = model(tokens)
+        head = model.output
+        fsdp = isinstance(head, FSDPModule)
+        length = hidden.shape[1] // num_chunks
+        h_chunks = [c.contiguous().detach().requires_grad_(True) for c in torch.split(hidden, length, dim=1)]
+        label_chunks = [c.contiguous() for c in torch.split(labels, length, dim=1)]
+        grad = torch.zeros_like(hidden, dtype=torch.float32)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        if fsdp:
+            head.set_reshard_after_forward(False)
+            head.set_reshard_after_backward(False)
+            head.set_requires_gradient_sync(False, recurse=False)
+            head.unshard()
+        for i, (h, y) in enumerate(zip(h_chunks, label_chunks)):
+            if fsdp and i == num_chunks - 1:
+                head.set_requires_gradient_sync(True, recurse=False)
+            # Bound to a name as torchtitan does: a chunk's logits live until the next chunk's replace them.
+            logits = head(h)
+            chunk_loss = cross_entropy_loss(logits, y) / num_chunks
+            total = total + chunk_loss.detach()
+            chunk_loss.backward()
+            grad[:, i * length : (i + 1) * length] = h.grad
+            h.grad = None
+        if fsdp:
+            head.set_reshard_after_forward(True)
+            head.set_reshard_after_backward(True)
+            head.set_requires_gradient_sync(True, recurse=False)
+            head.reshard()
+        return _HiddenGradient.apply(hidden, grad.to(hidden.dtype), total)
+
+    return loss_fn
+
+
 def loss_fn(cfg: JobConfig):
-    """The micro batch's loss: token cross entropy of the model's logits (HF models: the family's ``logits``)."""
+    """The micro batch's loss: token cross entropy of the model's logits (HF models: the family's ``logits``), or
+    torchtitan's chunked loss (``training.loss: chunked``)."""
+    if cfg.training.loss == "chunked":
+        return chunked_loss(cfg.training.chunks)
     logits = cfg.model.family.logits
     return (
         llama_loss
@@ -107,6 +167,10 @@ def job_metadata(cfg: JobConfig) -> dict:
             "selective": t.ac_selective if t.ac == "selective" else None,
         },
         "optimizer_config": {"name": t.optimizer, "implementation": t.optimizer_impl},
+        "loss": {"kind": t.loss, "chunks": t.chunks if t.loss == "chunked" else None},
+        "norm": args.norm,
+        "fuse_qkv": getattr(args, "fuse_qkv", None),
+        "fsdp_wrap": cfg.parallel.fsdp_wrap if fsdp_enabled(cfg) else None,
         "pipeline": pipeline(cfg).metadata() if cfg.parallel.pp > 1 else None,
         "context_parallel": context_parallel_metadata(cfg),
         "moe": moe_metadata(cfg),

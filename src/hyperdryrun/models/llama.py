@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,11 @@ class LlamaArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     tie_embeddings: bool = False
+    norm: Literal["fused", "fp32-unfused"] = "fused"
+    """RMSNorm kind: ``fused`` is torch's ``nn.RMSNorm`` (torchtitan 0.3.0; one fused kernel on CUDA),
+    ``fp32-unfused`` the reference's normalise-in-fp32 module of torchtitan's 2024 releases."""
+    fuse_qkv: bool = True
+    """One ``wqkv`` projection split into q, k, v (torchtitan 0.3.0) instead of ``wq``, ``wk``, ``wv``."""
 
     @property
     def head_dim(self) -> int:
@@ -65,6 +70,8 @@ PRESETS: dict[str, LlamaArgs] = {
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, unfused (torchtitan's 2024 releases, Meta's reference code)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -75,6 +82,11 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
+
+
+def rms_norm(dim: int, eps: float, kind: str) -> nn.Module:
+    """An RMSNorm of ``kind``: ``fused`` (``nn.RMSNorm``, torchtitan 0.3.0) or ``fp32-unfused`` (:class:`RMSNorm`)."""
+    return nn.RMSNorm(dim, eps=eps) if kind == "fused" else RMSNorm(dim, eps)
 
 
 def rope_cache(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -97,23 +109,54 @@ def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * rot).flatten(3).type_as(x)
 
 
+class RotaryEmbedding(nn.Module):
+    """One layer's RoPE table (torchtitan 0.3.0's ``ComplexRoPE``: every attention holds its own ``cache``
+    buffer) and the rotation of q and k at the given positions (a gather of their rows, as torchtitan does)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("cache", rope_cache(head_dim, max_seq_len, theta), persistent=False)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.cache[positions]
+        return apply_rope(q, rows), apply_rope(k, rows)
+
+
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, max_seq_len: int) -> None:
         super().__init__()
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.n_kv_heads
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        kv = args.n_kv_heads * self.head_dim
+        if args.fuse_qkv:
+            # Per KV group: its n_rep query heads, then its key and its value head (torchtitan's FusedQKVLinear),
+            # so a column-sharded wqkv holds whole groups.
+            self.wqkv = nn.Linear(args.dim, args.n_heads * self.head_dim + 2 * kv, bias=False)
+        else:
+            self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+            self.wk = nn.Linear(args.dim, kv, bias=False)
+            self.wv = nn.Linear(args.dim, kv, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.rope = RotaryEmbedding(self.head_dim, max_seq_len, args.rope_theta)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bs, seq, _ = x.shape
-        # -1: the local head count, which tensor parallelism divides.
-        q = self.wq(x).view(bs, seq, -1, self.head_dim)
-        k = self.wk(x).view(bs, seq, -1, self.head_dim)
-        v = self.wv(x).view(bs, seq, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        hd = self.head_dim
+        if not hasattr(self, "wqkv"):
+            # -1: the local head count, which tensor parallelism divides.
+            return tuple(w(x).view(bs, seq, -1, hd) for w in (self.wq, self.wk, self.wv))
+        qkv = self.wqkv(x).view(bs, seq, -1, self.n_rep + 2, hd)
+        q, k, v = torch.split(qkv, [self.n_rep, 1, 1], dim=-2)
+        # Each made contiguous, as torchtitan does (copies of the strided split).
+        return tuple(t.reshape(bs, seq, -1, hd).contiguous() for t in (q, k, v))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        q, k, v = self.qkv(x)
+        q, k = self.rope(q, k, positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
         out = out.transpose(1, 2).contiguous().view(bs, seq, -1)
@@ -132,15 +175,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, max_seq_len: int) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = rms_norm(args.dim, args.norm_eps, args.norm)
+        self.attention = Attention(args, max_seq_len)
+        self.ffn_norm = rms_norm(args.dim, args.norm_eps, args.norm)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), positions)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -152,24 +195,35 @@ class DecoderLM(nn.Module):
         # A pipeline stage is this model with some parts removed (``keep_stage``): it then takes or returns
         # hidden states instead of tokens or logits, as torchtitan's stage models do.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope_input(h)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, rope)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and not self.skip_output else h
+
+    skip_output = False
+    """Return the normed hidden states instead of logits: a chunked loss applies ``output`` per chunk."""
+
+    def rope_input(self, h: torch.Tensor) -> torch.Tensor:
+        """What every layer's attention takes for RoPE: the model's one table (layers with their own RoPE module
+        take positions instead)."""
+        return self.rope_cache
 
     def build_parts(
-        self, args: Any, rope_dim: int, max_seq_len: int, block: Callable[[int], nn.Module]
+        self, args: Any, rope_dim: int | None, max_seq_len: int, block: Callable[[int], nn.Module]
     ) -> None:
-        """Build the shared parts, in this order (it is the parameters' order): the embedding, the RoPE table of
-        ``rope_dim`` per head, ``block(i)`` for each layer, the final norm and the output head (tied if asked)."""
+        """Build the shared parts, in this order (it is the parameters' order): the embedding, the model's one RoPE
+        table of ``rope_dim`` per head (none where ``rope_dim`` is None: each layer holds its own), ``block(i)`` for
+        each layer, the final norm of ``args.norm``'s kind and the output head (tied if asked)."""
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer(
-            "rope_cache", rope_cache(rope_dim, max_seq_len, args.rope_theta), persistent=False
-        )
+        if rope_dim is not None:
+            self.register_buffer(
+                "rope_cache", rope_cache(rope_dim, max_seq_len, args.rope_theta), persistent=False
+            )
         # A ModuleDict keyed by layer index, as torchtitan does, so that FQNs stay stable under splitting.
         self.layers = nn.ModuleDict({str(i): block(i) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = rms_norm(args.dim, args.norm_eps, args.norm)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -191,7 +245,12 @@ class LlamaTransformer(DecoderLM):
 
     def __init__(self, args: LlamaArgs, max_seq_len: int) -> None:
         super().__init__()
-        self.build_parts(args, args.head_dim, max_seq_len, lambda i: TransformerBlock(args))
+        self.build_parts(args, None, max_seq_len, lambda i: TransformerBlock(args, max_seq_len))
+
+    def rope_input(self, h: torch.Tensor) -> torch.Tensor:
+        """Token positions 0..seq-1 (torchtitan's data loader gives one document per row): each layer gathers
+        their rows of its own RoPE table."""
+        return torch.arange(h.shape[1], device=h.device)
 
     def init_weights(self) -> None:
         """Real initialisation (used only by real execution; a dry run needs no values)."""
@@ -226,5 +285,7 @@ def init_llama_weights(model: DecoderLM) -> None:
             local.fill_(1.0)
         else:
             local.normal_(std=1.0 / math.sqrt(args.dim))
-    cache = model.rope_cache
-    cache.copy_(rope_cache(args.head_dim, cache.shape[0], args.rope_theta).to(cache.dtype))
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            cache = module.cache
+            cache.copy_(rope_cache(module.head_dim, cache.shape[0], module.theta).to(cache.dtype))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperdryrun.models.llama import DecoderLM, FeedForward, RMSNorm, apply_rope, local_shard, rope_cache
+from hyperdryrun.models.llama import DecoderLM, FeedForward, apply_rope, local_shard, rms_norm, rope_cache
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class MoEArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    norm: Literal["fused", "fp32-unfused"] = "fused"
+    """RMSNorm kind, as the dense family's (:attr:`hyperdryrun.models.llama.LlamaArgs.norm`)."""
 
     @property
     def head_dim(self) -> int:
@@ -127,8 +129,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
-        self.q_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+        self.q_norm = rms_norm(hd, args.norm_eps, args.norm) if args.qk_norm else None
+        self.k_norm = rms_norm(hd, args.norm_eps, args.norm) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bs, seq, _ = x.shape
@@ -155,10 +157,10 @@ class MLAttention(nn.Module):
         self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.kv_rank = args.kv_lora_rank
         self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.q_norm = rms_norm(args.q_lora_rank, args.norm_eps, args.norm)
         self.wq_b = nn.Linear(args.q_lora_rank, h * (self.nope + self.rope_dim), bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.kv_norm = rms_norm(args.kv_lora_rank, args.norm_eps, args.norm)
         self.wkv_b = nn.Linear(args.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(h * self.v_dim, args.dim, bias=False)
 
@@ -253,9 +255,9 @@ class MoE(nn.Module):
 class MoEBlock(nn.Module):
     def __init__(self, args: MoEArgs, layer: int) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = rms_norm(args.dim, args.norm_eps, args.norm)
         self.attention = MLAttention(args) if args.attention == "mla" else Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = rms_norm(args.dim, args.norm_eps, args.norm)
         dense = layer < args.n_dense_layers
         self.feed_forward = FeedForward(args.dim, args.ffn_dim) if dense else None
         self.moe = None if dense else MoE(args)

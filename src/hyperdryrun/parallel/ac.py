@@ -1,46 +1,134 @@
-"""Activation checkpointing of decoder blocks: full, every k-th layer, or op-level selective (torchtitan's AC)."""
+"""Activation checkpointing of decoder blocks as torchtitan applies it: full, every k-th layer, or op-level selective
+(torchtitan 0.3.0's ``SelectiveAC``: save compute-heavy and communication outputs, recompute every second matmul)."""
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
 
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+aten = torch.ops.aten
+
+MATMUL_OPS = (aten.mm.default, aten.linear.default)
+"""The ops torchtitan's selective AC counts as matmuls (every second one is recomputed)."""
+
+
+def torchtitan_save_ops() -> set:
+    """torchtitan 0.3.0's ``_get_default_save_ops``: the partitioner's compute-intensive ops, SDPA variants, max,
+    FlexAttention, linear, topk, and the reduce-scatter / all-to-all collectives (ops this torch lacks skipped)."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    ops = {op.default for op in get_default_op_list().compute_intensive_ops}
+    ops |= {
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_attention_math.default,
+        aten._scaled_dot_product_fused_attention_overrideable.default,
+        aten.max.default,
+        torch._higher_order_ops.flex_attention,
+        aten.linear.default,
+        aten.topk.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        torch.ops._c10d_functional.all_to_all_single.default,
+    }
+    compiled = getattr(torch._higher_order_ops, "inductor_compiled_code", None)
+    return ops | ({compiled} if compiled is not None else set())
+
+
+SAVE_ALL_MATMULS_OPS = {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+"""``op-save-all-matmuls``: every matmul and attention output saved (this recipe's op policy before torchtitan's)."""
 
 
-def _save_matmuls_policy(ctx, func, *args, **kwargs):
-    """Op-level selective AC: keep matmul and attention outputs, recompute everything else."""
+FORCE_RECOMPUTE_FQNS = ("moe.router.gate",)
+"""torchtitan's ``force_recompute_mm_shapes_by_fqns`` default: matmuls of these linears' weight shapes are always
+recomputed and not counted."""
+
+
+def every_second_matmul_policy(save_ops: set, recompute_shapes: frozenset = frozenset()) -> Any:
+    """A fresh torchtitan 0.3.0 op policy for one checkpointed forward: outputs of ``save_ops`` are saved except
+    every second matmul (counted separately in forward and in recompute) and matmuls whose weight (in, out) shape
+    is in ``recompute_shapes``; everything else is recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in MATMUL_OPS:
+            shape = tuple(args[1].shape)
+            if func == aten.linear.default:
+                shape = shape[::-1]
+            if shape in recompute_shapes:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            counts[mode] += 1
+        if func in save_ops:
+            if func in MATMUL_OPS and counts[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _save_all_matmuls_policy(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if func in SAVE_ALL_MATMULS_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context(policy_fn: Any) -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(policy_fn())
+
+
+def forced_recompute_shapes(block: nn.Module) -> frozenset:
+    """The (in, out) weight shapes of the block's linears named in :data:`FORCE_RECOMPUTE_FQNS`."""
+    return frozenset(
+        tuple(m.weight.shape[::-1])
+        for name, m in block.named_modules()
+        if isinstance(m, nn.Linear) and any(f in name for f in FORCE_RECOMPUTE_FQNS)
+    )
+
+
+def checkpointed_layers(n_layers: int, every: int) -> list[int]:
+    """Layer AC's positions, torchtitan's: its counter starts at 1, so layers k-1, 2k-1, ... are checkpointed."""
+    return [i for i in range(n_layers) if (i + 1) % every == 0]
 
 
 def apply_ac(model: nn.Module, mode: str, option: str) -> None:
-    """Activation checkpointing of transformer blocks: full, every k-th layer, or op-level selective."""
+    """Activation checkpointing of the decoder blocks: ``full``, or ``selective`` with ``option`` ``op`` (torchtitan
+    0.3.0's policy), ``op-save-all-matmuls``, or a layer interval k. Wrapped as torchtitan does (``early_stop``
+    off: a recompute runs the whole block)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     if mode == "none":
         return
-    for i, (name, block) in enumerate(list(model.layers.items())):
-        if mode == "full" or (option != "op" and i % int(option) == 0):
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif option == "op":
-            wrapped = checkpoint_wrapper(
-                block,
-                preserve_rng_state=False,
-                context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls_policy),
-            )
-        else:
+    wrap = partial(checkpoint_wrapper, preserve_rng_state=False, early_stop=False)
+    layers = list(model.layers.items())
+    if mode == "selective" and option.isdigit():
+        # Layer indices count within this model (a pipeline stage counts its own layers, as torchtitan's).
+        chosen = set(checkpointed_layers(len(layers), int(option)))
+    else:
+        chosen = set(range(len(layers)))
+    save_ops = torchtitan_save_ops()
+    for i, (name, block) in enumerate(layers):
+        if i not in chosen:
             continue
+        if mode == "full" or option.isdigit():
+            wrapped = wrap(block)
+        elif option == "op":
+            make = partial(every_second_matmul_policy, save_ops, forced_recompute_shapes(block))
+            wrapped = wrap(block, context_fn=partial(_selective_context, make))
+        else:
+            wrapped = wrap(block, context_fn=partial(_selective_context, lambda: _save_all_matmuls_policy))
         model.layers.register_module(name, wrapped)

@@ -41,28 +41,43 @@ def fsdp_mesh(mesh: Any, cfg: JobConfig) -> Any:
 
 
 def mixed_precision(cfg: JobConfig) -> Any:
-    """FSDP2's ``MixedPrecisionPolicy`` from the job's param_dtype and reduce_dtype."""
+    """FSDP2's ``MixedPrecisionPolicy`` from the job's param_dtype and reduce_dtype; forward inputs are not cast
+    (torchtitan's ``cast_forward_inputs=False``: the embedding's output is already in param_dtype)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     t = cfg.training
     return MixedPrecisionPolicy(
         param_dtype=DTYPES[t.param_dtype] if t.param_dtype else None,
         reduce_dtype=DTYPES[t.reduce_dtype] if t.reduce_dtype else None,
+        cast_forward_inputs=False,
     )
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: Any, cfg: JobConfig) -> None:
-    """FSDP2 on every decoder block, then on the root (torchtitan's order)."""
+    """FSDP2 units and their reshard-after-forward choices as ``parallel.fsdp_wrap`` names them, then the root."""
     from torch.distributed.fsdp import fully_shard
 
     mp = mixed_precision(cfg)
-    n = len(model.layers)
-    for i, block in enumerate(model.layers.values()):
-        # torchtitan's default: the last block stays unsharded, backward needs it at once.
-        fully_shard(
-            block,
-            mesh=dp_mesh,
-            mp_policy=mp,
-            reshard_after_forward=cfg.parallel.reshard_after_forward and i < n - 1,
-        )
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=cfg.parallel.reshard_after_forward)
+    reshard = cfg.parallel.reshard_after_forward
+    if cfg.parallel.fsdp_wrap == "torchtitan-2024":
+        n = len(model.layers)
+        for i, block in enumerate(model.layers.values()):
+            # The last block stays unsharded: backward needs it at once.
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < n - 1)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        return
+    # torchtitan 0.3.0's apply_fsdp_to_decoder with its "default" policy: the embedding and every block are resharded
+    # after forward except under pipelining; the final norm and the head form one unit that is never resharded.
+    blocks_reshard = reshard and cfg.parallel.pp == 1
+    config = {"mesh": dp_mesh, "mp_policy": mp}
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if model.args.tie_embeddings:
+        fully_shard([m for m in (model.tok_embeddings, *head) if m is not None], **config, reshard_after_forward=False)
+    else:
+        if model.tok_embeddings is not None:
+            fully_shard(model.tok_embeddings, **config, reshard_after_forward=blocks_reshard)
+        if len(head) == 2:
+            fully_shard(head, **config, reshard_after_forward=False)
+    for block in model.layers.values():
+        fully_shard(block, **config, reshard_after_forward=blocks_reshard)
+    fully_shard(model, **config)

@@ -25,6 +25,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any, cfg: JobConfig, block_plan: BlockPl
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -32,10 +33,12 @@ def apply_tp(model: nn.Module, tp_mesh: Any, cfg: JobConfig, block_plan: BlockPl
 
     sp, lp = cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel
     seq = Shard(1) if sp else Replicate()
+    # The final norm's output is gathered to replicated hidden states (torchtitan 0.3.0's pre_lm_head_norm_config),
+    # so that a chunked loss can split them; the head takes them replicated.
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "output": ColwiseParallel(
-            input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp
+            input_layouts=Replicate(), output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp
         ),
     }
     if sp:
@@ -43,6 +46,9 @@ def apply_tp(model: nn.Module, tp_mesh: Any, cfg: JobConfig, block_plan: BlockPl
     # A pipeline stage lacks the embedding (all but the first) or norm and head (all but the last).
     root_plan = {name: style for name, style in root_plan.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root_plan)
+    if sp and model.norm is not None:
+        gather = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+        parallelize_module(model, tp_mesh, {"norm": gather})
     plan = block_plan or block_tp_plan
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan(block, seq))
@@ -53,7 +59,8 @@ def block_tp_plan(block: nn.Module, seq: Any) -> dict:
     block has one) split Megatron style, norms sequence parallel when ``seq`` is ``Shard(1)``."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    projections = {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv")}
+    names = ("attention.wqkv",) if hasattr(block.attention, "wqkv") else ("attention.wq", "attention.wk", "attention.wv")
+    projections = {name: ColwiseParallel() for name in names}
     return decoder_block_tp_plan(block, seq, projections)
 
 
