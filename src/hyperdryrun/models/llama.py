@@ -119,8 +119,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cache", rope_cache(head_dim, max_seq_len, theta), persistent=False)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Positions 0..seq-1 of q's (gathered) sequence when none are given: one document per row.
+        positions = torch.arange(q.shape[1], device=q.device) if positions is None else positions
         rows = self.cache[positions]
         return apply_rope(q, rows), apply_rope(k, rows)
 
@@ -153,7 +155,7 @@ class Attention(nn.Module):
         # Each made contiguous, as torchtitan does (copies of the strided split).
         return tuple(t.reshape(bs, seq, -1, hd).contiguous() for t in (q, k, v))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         bs, seq, _ = x.shape
         q, k, v = self.qkv(x)
         q, k = self.rope(q, k, positions)
@@ -182,7 +184,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = rms_norm(args.dim, args.norm_eps, args.norm)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), positions)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -204,7 +206,7 @@ class DecoderLM(nn.Module):
     skip_output = False
     """Return the normed hidden states instead of logits: a chunked loss applies ``output`` per chunk."""
 
-    def rope_input(self, h: torch.Tensor) -> torch.Tensor:
+    def rope_input(self, h: torch.Tensor) -> torch.Tensor | None:
         """What every layer's attention takes for RoPE: the model's one table (layers with their own RoPE module
         take positions instead)."""
         return self.rope_cache
@@ -247,10 +249,10 @@ class LlamaTransformer(DecoderLM):
         super().__init__()
         self.build_parts(args, None, max_seq_len, lambda i: TransformerBlock(args, max_seq_len))
 
-    def rope_input(self, h: torch.Tensor) -> torch.Tensor:
-        """Token positions 0..seq-1 (torchtitan's data loader gives one document per row): each layer gathers
-        their rows of its own RoPE table."""
-        return torch.arange(h.shape[1], device=h.device)
+    def rope_input(self, h: torch.Tensor) -> None:
+        """No positions: each layer's RoPE gathers rows 0..seq-1 of its own table (torchtitan's data loader gives
+        one document per row)."""
+        return None
 
     def init_weights(self) -> None:
         """Real initialisation (used only by real execution; a dry run needs no values)."""

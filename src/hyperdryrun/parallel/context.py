@@ -120,15 +120,16 @@ class ContextParallelStep:
 
         if self.cp_mesh is None:
             raise RuntimeError("ContextParallelStep.parallelize must run before step")
-        rope = getattr(model, self.buffer_name)
+        # The model's one RoPE table, or every layer's (torchtitan 0.3.0's per-attention ``rope.cache``).
+        ropes = [b for n, b in model.named_buffers() if n == self.buffer_name or n.endswith(".rope.cache")]
         name_patch = sdpa_name_patch()
         with cp_globals(self.rotate_method), PatchSet([name_patch] if name_patch else []):
             for tokens, labels in batches:
                 # torchtitan (llama3 train.py): inputs and labels are not restored, the RoPE buffer is.
                 cp_ctx = context_parallel(
                     self.cp_mesh,
-                    buffers=[tokens, labels, rope],
-                    buffer_seq_dims=[1, 1, 0],
+                    buffers=[tokens, labels, *ropes],
+                    buffer_seq_dims=[1, 1, *[0] * len(ropes)],
                     no_restore_buffers={tokens, labels},
                 )
                 with cp_ctx, self.loss_context():

@@ -1,0 +1,107 @@
+"""The built-in llama presets make torchtitan 0.3.0's memory choices, checked without torchtitan: its selective-AC
+policy recomputes every second matmul, the chunked loss holds one chunk of logits, every layer has its RoPE table,
+and the new fields reject values that would have no effect."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from hyperdryrun.config import ConfigError, build_config
+from hyperdryrun.models.llama import PRESETS, LlamaTransformer, TransformerBlock
+from hyperdryrun.parallel.ac import checkpointed_layers, every_second_matmul_policy, torchtitan_save_ops
+from hyperdryrun.recipe import run_job
+from hyperdryrun.trace.blocks import Phase
+
+TINY = PRESETS["llama-tiny"]  # dim 64, 4 heads, 2 KV heads (head_dim 16), ffn 128, vocab 256
+
+
+class _Ctx:
+    is_recompute = False
+
+
+def test_sac_policy_saves_odd_matmuls_and_recomputes_even_ones():
+    policy = every_second_matmul_policy(torchtitan_save_ops())
+    w = torch.empty(4, 4)
+    got = [policy(_Ctx(), torch.ops.aten.mm.default, w, w) for _ in range(5)]
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert got == [save, recompute, save, recompute, save]
+    # other ops: attention saved, elementwise recomputed, neither counted as a matmul
+    assert policy(_Ctx(), torch.ops.aten._scaled_dot_product_cudnn_attention.default) is save
+    assert policy(_Ctx(), torch.ops.aten.mul.Tensor) is recompute
+    assert policy(_Ctx(), torch.ops.aten.mm.default, w, w) is recompute  # the 6th matmul
+
+
+def test_sac_on_a_block_saves_the_qkv_w1_and_w2_matmuls():
+    """A fused-QKV block runs 5 matmuls in this order: wqkv, wo, w1, w3, w2. Saved: the 1st, 3rd and 5th, i.e. the
+    outputs of shape (tokens, 64 + 2*2*16 = 128), (tokens, 128) and (tokens, 64)."""
+    block = TransformerBlock(TINY, max_seq_len=8)
+    decisions = []
+    inner = every_second_matmul_policy(torchtitan_save_ops())
+
+    def recording(ctx, func, *args, **kwargs):
+        out = inner(ctx, func, *args, **kwargs)
+        if func == torch.ops.aten.mm.default and not ctx.is_recompute:
+            decisions.append((out, tuple(args[1].shape)))
+        return out
+
+    x = torch.randn(1, 8, 64, requires_grad=True)
+    ctx_fn = lambda: create_selective_checkpoint_contexts(recording)  # noqa: E731
+    checkpoint(block, x, None, use_reentrant=False, context_fn=ctx_fn).sum().backward()
+    saved = [shape for d, shape in decisions if d is CheckpointPolicy.MUST_SAVE]
+    assert len(decisions) == 5
+    # mm's second argument is the transposed weight, (in, out)
+    assert saved == [(64, 128), (64, 128), (128, 64)]
+
+
+def test_layer_ac_checkpoints_torchtitans_positions():
+    # torchtitan's counter starts at 1 and checkpoints when it divides by k: layers k-1, 2k-1, ...
+    assert checkpointed_layers(7, 3) == [2, 5]
+    assert checkpointed_layers(4, 1) == [0, 1, 2, 3]
+
+
+def test_every_layer_holds_its_own_rope_table():
+    seq = 32
+    model = LlamaTransformer(TINY, max_seq_len=seq)
+    buffers = dict(model.named_buffers())
+    assert sorted(buffers) == [f"layers.{i}.attention.rope.cache" for i in range(TINY.n_layers)]
+    for cache in buffers.values():
+        assert cache.shape == (seq, 16 // 2) and cache.dtype == torch.complex64
+
+
+def test_chunked_loss_holds_one_chunk_of_logits():
+    """seq 64 in 4 chunks on one rank: each forward output matmul is 16 tokens x 256 vocab in bf16 (FSDP2's
+    param_dtype), its fp32 log-softmax 16 x 256 x 4 B; the whole sequence's would be 4 times that."""
+    chunk_logits = 16 * 256 * 4
+    cfg = build_config(
+        {"model": {"name": "llama-tiny"}, "training": {"seq_len": 64, "loss": "chunked", "loss_chunks": 4}}
+    )
+    trace = run_job(cfg, capture_stacks=False)
+    head = [b for b in trace.blocks if b.module == "output" and b.op == "mm" and b.phase is Phase.FORWARD]
+    assert len(head) == 4 and {b.size for b in head} == {16 * 256 * 2}
+    softmax = [b.size for b in trace.blocks if b.op == "_log_softmax"]
+    assert softmax == [chunk_logits] * 4
+    full = run_job(build_config({"model": {"name": "llama-tiny"}, "training": {"seq_len": 64}}), capture_stacks=False)
+    assert max(b.size for b in full.blocks if b.op == "_log_softmax") == 4 * chunk_logits
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"training": {"loss_chunks": 4}}, "training.loss_chunks=4 has no effect without training.loss='chunked'"),
+        ({"training": {"loss": "chunked", "loss_chunks": 3}}, "training.loss_chunks=3 must divide"),
+        ({"training": {"ac_selective": "ops"}}, "op, op-save-all-matmuls or a positive layer interval"),
+        ({"model": {"name": "moe-tiny", "fuse_qkv": False}}, "model.fuse_qkv=False applies to dense models"),
+        ({"model": {"norm": "layer"}}, "model.norm"),
+    ],
+)
+def test_fields_reject_bad_or_ineffective_values(data, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_config(data)
+
+
+def test_earlier_torchtitan_choices_stay_selectable():
+    cfg = build_config({"model": {"norm": "fp32-unfused", "fuse_qkv": False}, "parallel": {"fsdp_wrap": "torchtitan-2024"}})
+    args = cfg.model.args()
+    assert (args.norm, args.fuse_qkv, cfg.parallel.fsdp_wrap) == ("fp32-unfused", False, "torchtitan-2024")
