@@ -123,7 +123,9 @@ class ModelConfig(_Strict):
         else:
             for f in DENSE_FIELDS:
                 if getattr(self, f) is not None:
-                    raise ValueError(f"model.{f}={getattr(self, f)} applies to dense models, {self.name!r} is MoE")
+                    raise ValueError(
+                        f"model.{f}={getattr(self, f)} applies to dense models, {self.name!r} is MoE"
+                    )
         return self
 
     @property
@@ -221,13 +223,17 @@ class TrainingConfig(_Strict):
     @classmethod
     def _ac_option(cls, v: str) -> str:
         if v not in AC_SELECTIVE_OPS and not (v.isdigit() and int(v) > 0):
-            raise ValueError(f"must be one of {', '.join(AC_SELECTIVE_OPS)} or a positive layer interval, got {v!r}")
+            raise ValueError(
+                f"must be one of {', '.join(AC_SELECTIVE_OPS)} or a positive layer interval, got {v!r}"
+            )
         return v
 
     @model_validator(mode="after")
     def _loss_chunks_need_chunked(self) -> TrainingConfig:
         if self.loss_chunks is not None and self.loss != "chunked":
-            raise ValueError(f"training.loss_chunks={self.loss_chunks} has no effect without training.loss='chunked'")
+            raise ValueError(
+                f"training.loss_chunks={self.loss_chunks} has no effect without training.loss='chunked'"
+            )
         if self.loss == "chunked" and self.seq_len % self.chunks:
             raise ValueError(
                 f"training.loss_chunks={self.chunks} must divide training.seq_len={self.seq_len} (equal chunks)"

@@ -25,7 +25,12 @@ LAYERS, SEQ = 2, 8192
 
 def titan_peak(dp: int, tp: int, ac: str) -> int:
     argv = ["--module", "llama3", "--config", "llama3_8b", "--training.seq_len", str(SEQ)]
-    argv += ["--parallelism.data_parallel_shard_degree", str(dp), "--parallelism.tensor_parallel_degree", str(tp)]
+    argv += [
+        "--parallelism.data_parallel_shard_degree",
+        str(dp),
+        "--parallelism.tensor_parallel_degree",
+        str(tp),
+    ]
     argv += ["--training.disable_cuda_graphs", f"activation-checkpoint:{ac}"]
     return simulate_torchtitan(argv, world_size=dp * tp, n_layers=LAYERS, capture_stacks=False).peak
 

@@ -82,14 +82,19 @@ def test_chunked_loss_holds_one_chunk_of_logits():
     assert len(head) == 4 and {b.size for b in head} == {16 * 256 * 2}
     softmax = [b.size for b in trace.blocks if b.op == "_log_softmax"]
     assert softmax == [chunk_logits] * 4
-    full = run_job(build_config({"model": {"name": "llama-tiny"}, "training": {"seq_len": 64}}), capture_stacks=False)
+    full = run_job(
+        build_config({"model": {"name": "llama-tiny"}, "training": {"seq_len": 64}}), capture_stacks=False
+    )
     assert max(b.size for b in full.blocks if b.op == "_log_softmax") == 4 * chunk_logits
 
 
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"training": {"loss_chunks": 4}}, "training.loss_chunks=4 has no effect without training.loss='chunked'"),
+        (
+            {"training": {"loss_chunks": 4}},
+            "training.loss_chunks=4 has no effect without training.loss='chunked'",
+        ),
         ({"training": {"loss": "chunked", "loss_chunks": 3}}, "training.loss_chunks=3 must divide"),
         ({"training": {"ac_selective": "ops"}}, "op, op-save-all-matmuls or a positive layer interval"),
         ({"model": {"name": "moe-tiny", "fuse_qkv": False}}, "model.fuse_qkv=False applies to dense models"),
@@ -102,6 +107,8 @@ def test_fields_reject_bad_or_ineffective_values(data, message):
 
 
 def test_earlier_torchtitan_choices_stay_selectable():
-    cfg = build_config({"model": {"norm": "fp32-unfused", "fuse_qkv": False}, "parallel": {"fsdp_wrap": "torchtitan-2024"}})
+    cfg = build_config(
+        {"model": {"norm": "fp32-unfused", "fuse_qkv": False}, "parallel": {"fsdp_wrap": "torchtitan-2024"}}
+    )
     args = cfg.model.args()
     assert (args.norm, args.fuse_qkv, cfg.parallel.fsdp_wrap) == ("fp32-unfused", False, "torchtitan-2024")

@@ -120,10 +120,26 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
         str,
         "selective AC: 'op' (torchtitan's: every second matmul recomputed), 'op-save-all-matmuls', or every k-th layer",
     ),
-    "--loss": ("training.loss", str, "cross-entropy|chunked (torchtitan's ChunkedLossWrapper: head and loss per chunk)"),
-    "--loss-chunks": ("training.loss_chunks", int, "sequence chunks of --loss chunked (default 8, torchtitan's)"),
-    "--norm": ("model.norm", str, "RMSNorm: fused (nn.RMSNorm, torchtitan 0.3.0) or fp32-unfused (its 2024 releases)"),
-    "--fuse-qkv": ("model.fuse_qkv", _BOOL, "one fused q/k/v projection, torchtitan 0.3.0's (dense models; on)"),
+    "--loss": (
+        "training.loss",
+        str,
+        "cross-entropy|chunked (torchtitan's ChunkedLossWrapper: head and loss per chunk)",
+    ),
+    "--loss-chunks": (
+        "training.loss_chunks",
+        int,
+        "sequence chunks of --loss chunked (default 8, torchtitan's)",
+    ),
+    "--norm": (
+        "model.norm",
+        str,
+        "RMSNorm: fused (nn.RMSNorm, torchtitan 0.3.0) or fp32-unfused (its 2024 releases)",
+    ),
+    "--fuse-qkv": (
+        "model.fuse_qkv",
+        _BOOL,
+        "one fused q/k/v projection, torchtitan 0.3.0's (dense models; on)",
+    ),
     "--fsdp-wrap": (
         "parallel.fsdp_wrap",
         str,

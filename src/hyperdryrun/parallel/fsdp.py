@@ -72,7 +72,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, cfg: JobConfig) -> None:
     config = {"mesh": dp_mesh, "mp_policy": mp}
     head = [m for m in (model.norm, model.output) if m is not None]
     if model.args.tie_embeddings:
-        fully_shard([m for m in (model.tok_embeddings, *head) if m is not None], **config, reshard_after_forward=False)
+        fully_shard(
+            [m for m in (model.tok_embeddings, *head) if m is not None], **config, reshard_after_forward=False
+        )
     else:
         if model.tok_embeddings is not None:
             fully_shard(model.tok_embeddings, **config, reshard_after_forward=blocks_reshard)

@@ -38,7 +38,9 @@ def apply_tp(model: nn.Module, tp_mesh: Any, cfg: JobConfig, block_plan: BlockPl
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "output": ColwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp
+            input_layouts=Replicate(),
+            output_layouts=Shard(-1) if lp else Replicate(),
+            use_local_output=not lp,
         ),
     }
     if sp:
@@ -59,7 +61,11 @@ def block_tp_plan(block: nn.Module, seq: Any) -> dict:
     block has one) split Megatron style, norms sequence parallel when ``seq`` is ``Shard(1)``."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    names = ("attention.wqkv",) if hasattr(block.attention, "wqkv") else ("attention.wq", "attention.wk", "attention.wv")
+    names = (
+        ("attention.wqkv",)
+        if hasattr(block.attention, "wqkv")
+        else ("attention.wq", "attention.wk", "attention.wv")
+    )
     projections = {name: ColwiseParallel() for name in names}
     return decoder_block_tp_plan(block, seq, projections)
 
