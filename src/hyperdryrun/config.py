@@ -397,7 +397,14 @@ class JobConfig(_Strict):
                 f"training.loss='chunked' is not built with parallel.pp={p.pp} / parallel.cp={p.cp} (needs 1)"
             )
         if t.loss == "chunked" and hf.is_hf_name(self.model.name):
-            raise ValueError(f"training.loss='chunked' applies to built-in presets, {self.model.name!r} is not one")
+            raise ValueError(
+                f"training.loss='chunked' applies to built-in presets, {self.model.name!r} is not one"
+            )
+        if p.fsdp_wrap != _default(ParallelConfig, "fsdp_wrap") and hf.is_hf_name(self.model.name):
+            raise ValueError(
+                f"parallel.fsdp_wrap={p.fsdp_wrap!r} applies to built-in presets, {self.model.name!r} is a "
+                "Hugging Face model (FSDP2 on each decoder layer, the last kept unsharded)"
+            )
         if p.fsdp_wrap != _default(ParallelConfig, "fsdp_wrap") and fsdp_off:
             raise ValueError(
                 f"parallel.fsdp_wrap={p.fsdp_wrap!r} has no effect: FSDP2 is not applied "

@@ -105,30 +105,35 @@ def checkpointed_layers(n_layers: int, every: int) -> list[int]:
     return [i for i in range(n_layers) if (i + 1) % every == 0]
 
 
-def apply_ac(model: nn.Module, mode: str, option: str) -> None:
-    """Activation checkpointing of the decoder blocks: ``full``, or ``selective`` with ``option`` ``op`` (torchtitan
-    0.3.0's policy), ``op-save-all-matmuls``, or a layer interval k. Wrapped as torchtitan does (``early_stop``
-    off: a recompute runs the whole block)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
+def chosen_layers(n_layers: int, mode: str, option: str) -> set[int]:
+    """Indices of the decoder layers that ``mode``/``option`` checkpoint (all but for a layer interval k)."""
     if mode == "none":
-        return
-    wrap = partial(checkpoint_wrapper, preserve_rng_state=False, early_stop=False)
-    layers = list(model.layers.items())
+        return set()
     if mode == "selective" and option.isdigit():
         # Layer indices count within this model (a pipeline stage counts its own layers, as torchtitan's).
-        chosen = set(checkpointed_layers(len(layers), int(option)))
-    else:
-        chosen = set(range(len(layers)))
-    save_ops = torchtitan_save_ops()
+        return set(checkpointed_layers(n_layers, int(option)))
+    return set(range(n_layers))
+
+
+def checkpoint_block(block: nn.Module, mode: str, option: str) -> nn.Module:
+    """One decoder block wrapped as torchtitan does (``early_stop`` off: a recompute runs the whole block): whole
+    for ``full`` or a layer interval, else with the op policy ``option`` names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrap = partial(checkpoint_wrapper, preserve_rng_state=False, early_stop=False)
+    if mode == "full" or option.isdigit():
+        return wrap(block)
+    if option == "op":
+        make = partial(every_second_matmul_policy, torchtitan_save_ops(), forced_recompute_shapes(block))
+        return wrap(block, context_fn=partial(_selective_context, make))
+    return wrap(block, context_fn=partial(_selective_context, lambda: _save_all_matmuls_policy))
+
+
+def apply_ac(model: nn.Module, mode: str, option: str) -> None:
+    """Activation checkpointing of the decoder blocks: ``full``, or ``selective`` with ``option`` ``op`` (torchtitan
+    0.3.0's policy), ``op-save-all-matmuls``, or a layer interval k."""
+    layers = list(model.layers.items())
+    chosen = chosen_layers(len(layers), mode, option)
     for i, (name, block) in enumerate(layers):
-        if i not in chosen:
-            continue
-        if mode == "full" or option.isdigit():
-            wrapped = wrap(block)
-        elif option == "op":
-            make = partial(every_second_matmul_policy, save_ops, forced_recompute_shapes(block))
-            wrapped = wrap(block, context_fn=partial(_selective_context, make))
-        else:
-            wrapped = wrap(block, context_fn=partial(_selective_context, lambda: _save_all_matmuls_policy))
-        model.layers.register_module(name, wrapped)
+        if i in chosen:
+            model.layers.register_module(name, checkpoint_block(block, mode, option))

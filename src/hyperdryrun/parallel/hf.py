@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyperdryrun.models.hf import decoder_layers, experts_modules
-from hyperdryrun.parallel.ac import _save_matmuls_policy
+from hyperdryrun.parallel.ac import checkpoint_block, chosen_layers
 from hyperdryrun.parallel.fsdp import fsdp_enabled, fsdp_mesh, mixed_precision
 from hyperdryrun.world.values import ValueRuleError, active_rules
 
@@ -83,22 +83,11 @@ def apply_hf_tp(model: nn.Module, tp_mesh: Any) -> None:
 
 
 def apply_hf_ac(model: nn.Module, mode: str, option: str) -> None:
-    """Activation checkpointing of the decoder layers as :func:`hyperdryrun.parallel.ac.apply_ac` does it."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    if mode == "none":
-        return
+    """Activation checkpointing of the decoder layers as :func:`hyperdryrun.parallel.ac.apply_ac` does it (the
+    same layer positions and op policies)."""
     layers = decoder_layers(model)
-    for i, block in enumerate(list(layers)):
-        if mode == "full" or (option != "op" and i % int(option) == 0):
-            layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif option == "op":
-            layers[i] = checkpoint_wrapper(
-                block,
-                preserve_rng_state=False,
-                context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy),
-            )
+    for i in sorted(chosen_layers(len(layers), mode, option)):
+        layers[i] = checkpoint_block(layers[i], mode, option)
 
 
 def apply_hf_fsdp(model: nn.Module, dp_mesh: Any, cfg: JobConfig) -> None:
