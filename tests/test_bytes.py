@@ -24,7 +24,8 @@ def r512(n: int) -> int:
 
 def tiny_shapes(tp_layout: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """llama-tiny (dim 64, 2 layers, 4 heads, 2 kv heads, ffn 128, vocab 256) parameter shapes by FQN,
-    written out by hand from the architecture, with the TP style of each (col: dim 0, row: dim 1, rep)."""
+    written out by hand from the architecture, with the TP style of each (col: dim 0, row: dim 1, rep).
+    q, k and v are one fused projection (torchtitan 0.3.0's wqkv): d query rows + 2 x kv key/value rows."""
     d, kv, f, v = 64, 2 * (64 // 4), 128, 256
     shapes = {
         "tok_embeddings.weight": ((v, d), "col"),
@@ -34,9 +35,7 @@ def tiny_shapes(tp_layout: bool = False) -> dict[str, tuple[tuple[int, ...], str
     for i in range(2):
         p = f"layers.{i}."
         shapes |= {
-            p + "attention.wq.weight": ((d, d), "col"),
-            p + "attention.wk.weight": ((kv, d), "col"),
-            p + "attention.wv.weight": ((kv, d), "col"),
+            p + "attention.wqkv.weight": ((d + 2 * kv, d), "col"),
             p + "attention.wo.weight": ((d, d), "row"),
             p + "feed_forward.w1.weight": ((f, d), "col"),
             p + "feed_forward.w2.weight": ((d, f), "row"),
@@ -48,10 +47,10 @@ def tiny_shapes(tp_layout: bool = False) -> dict[str, tuple[tuple[int, ...], str
 
 
 def groups(shapes: dict) -> list[list[str]]:
-    """FSDP2 parameter groups of the recipe: one per decoder layer, then the root (embeddings, norm, head)."""
+    """FSDP2 parameter groups of the recipe (torchtitan 0.3.0's units): the embedding, one per decoder layer, and
+    the final norm with the head; the root holds no parameter of its own."""
     layers = [[n for n in shapes if n.startswith(f"layers.{i}.")] for i in range(2)]
-    root = [n for n in shapes if not n.startswith("layers.")]
-    return [*layers, root]
+    return [["tok_embeddings.weight"], *layers, ["norm.weight", "output.weight"]]
 
 
 def fsdp_rows(d0: int, n: int, rank: int) -> tuple[int, int]:
@@ -165,11 +164,14 @@ def test_fused_adamw_keeps_its_step_counters_on_the_device():
     assert fused - foreach == n_params * 512
 
 
-def test_buffers_are_the_rope_table_of_the_sequence_length():
-    trace = dry_run(world__world_size=2, training__seq_len=64)
+def test_buffers_are_one_rope_table_of_the_sequence_length_per_layer():
     head_dim = 64 // 4
-    # complex64 freqs_cis of shape (seq, head_dim / 2): 8 bytes per element
-    assert after_step(trace, Category.BUFFER) == r512(64 * (head_dim // 2) * 8)
+    # complex64 freqs_cis of shape (seq, head_dim / 2): 8 bytes per element; torchtitan 0.3.0 gives each of the
+    # 2 layers its own table, its 2024 releases (model.rope: shared) one for the model.
+    table = r512(64 * (head_dim // 2) * 8)
+    assert after_step(dry_run(world__world_size=2, training__seq_len=64), Category.BUFFER) == 2 * table
+    shared = dry_run(world__world_size=2, training__seq_len=64, model__rope="shared")
+    assert after_step(shared, Category.BUFFER) == table
 
 
 def test_tied_embeddings_store_the_shared_table_once():

@@ -117,7 +117,7 @@ def test_model_overrides_apply_to_the_preset_of_the_right_family():
         ),
         (
             {"training": {"ac_selective": "x"}},
-            "training.ac_selective: must be 'op' or a positive layer interval, got 'x'",
+            "training.ac_selective: must be 'op', 'op-save-all-matmuls' or a positive layer interval, got 'x'",
         ),
         ({"target_device": "tpu"}, "target_device: Input should be 'cuda' or 'cpu' (got 'tpu')"),
         ({"device_memory_gib": float("inf")}, "device_memory_gib: Input should be a finite number (got inf)"),

@@ -66,6 +66,8 @@ class ModelConfig(_Strict):
     """RMSNorm: ``fused`` (nn.RMSNorm, torchtitan 0.3.0) or ``fp32-unfused`` (torchtitan's 2024 releases)."""
     fuse_qkv: bool | None = None
     """Dense models: one fused q/k/v projection (torchtitan 0.3.0) or three."""
+    rope: Literal["per-layer", "shared"] | None = None
+    """Dense models: a RoPE table per layer (torchtitan 0.3.0) or one shared by all layers (its 2024 releases)."""
     # --- MoE models (presets of hyperdryrun.models.moe) ---
     num_experts: int | None = Field(None, gt=0, le=MAX_HEADS)
     top_k: int | None = Field(None, gt=0, le=MAX_HEADS)
@@ -148,8 +150,8 @@ class ModelConfig(_Strict):
 
 
 MOE_FIELDS = ("num_experts", "top_k", "moe_ffn_dim", "num_shared_experts", "n_dense_layers")
-DENSE_FIELDS = ("fuse_qkv",)
-BUILTIN_FIELDS = ("norm", "fuse_qkv")
+DENSE_FIELDS = ("fuse_qkv", "rope")
+BUILTIN_FIELDS = ("norm", "fuse_qkv", "rope")
 
 
 class ParallelConfig(_Strict):
@@ -224,7 +226,7 @@ class TrainingConfig(_Strict):
     def _ac_option(cls, v: str) -> str:
         if v not in AC_SELECTIVE_OPS and not (v.isdigit() and int(v) > 0):
             raise ValueError(
-                f"must be one of {', '.join(AC_SELECTIVE_OPS)} or a positive layer interval, got {v!r}"
+                f"must be {', '.join(map(repr, AC_SELECTIVE_OPS))} or a positive layer interval, got {v!r}"
             )
         return v
 

@@ -168,9 +168,13 @@ def job_metadata(cfg: JobConfig) -> dict:
         },
         "optimizer_config": {"name": t.optimizer, "implementation": t.optimizer_impl},
         "loss": {"kind": t.loss, "chunks": t.chunks if t.loss == "chunked" else None},
-        "norm": args.norm,
+        "norm": getattr(args, "norm", None),
         "fuse_qkv": getattr(args, "fuse_qkv", None),
-        "fsdp_wrap": cfg.parallel.fsdp_wrap if fsdp_enabled(cfg) else None,
+        "rope": getattr(args, "rope", None),
+        # HF models have FSDP units of their own (parallel/hf.py), no built-in preset's.
+        "fsdp_wrap": cfg.parallel.fsdp_wrap
+        if fsdp_enabled(cfg) and cfg.model.family.logits is None
+        else None,
         "pipeline": pipeline(cfg).metadata() if cfg.parallel.pp > 1 else None,
         "context_parallel": context_parallel_metadata(cfg),
         "moe": moe_metadata(cfg),

@@ -68,6 +68,7 @@ def _scramble(model: torch.nn.Module) -> None:
     ("family", "args", "rope_dim"),
     [
         (registry.LLAMA, PRESETS["llama-tiny"], 64 // 4),
+        (registry.LLAMA, PRESETS["llama-tiny"].replace(rope="shared"), 64 // 4),
         # MLA rotates only the decoupled rope part of each head
         (
             registry.MOE,
@@ -97,7 +98,13 @@ def test_initialiser_sets_norms_to_one_weights_to_the_dim_scale_and_recomputes_r
             weights.append(p.flatten())
     std = torch.cat(weights).std().item()
     assert std == pytest.approx(1 / math.sqrt(args.dim), rel=0.05)
-    assert torch.equal(model.rope_cache, rope_cache(rope_dim, 32, args.rope_theta))
+    # torchtitan 0.3.0's llama: one table per attention; its 2024 llama (rope: shared) and the MoE models: one.
+    per_layer = getattr(args, "rope", "shared") == "per-layer"
+    names = [f"layers.{i}.attention.rope.cache" for i in range(args.n_layers)] if per_layer else ["rope_cache"]
+    tables = dict(model.named_buffers())
+    assert sorted(tables) == sorted(names)
+    for name in names:
+        assert torch.equal(tables[name], rope_cache(rope_dim, 32, args.rope_theta)), name
 
 
 def test_pipeline_cut_keeps_the_stage_modules():

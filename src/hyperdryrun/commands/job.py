@@ -140,6 +140,11 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
         _BOOL,
         "one fused q/k/v projection, torchtitan 0.3.0's (dense models; on)",
     ),
+    "--rope": (
+        "model.rope",
+        str,
+        "RoPE table: per-layer (torchtitan 0.3.0) or shared by all layers (its 2024 releases; dense models)",
+    ),
     "--fsdp-wrap": (
         "parallel.fsdp_wrap",
         str,

@@ -35,6 +35,9 @@ class LlamaArgs:
     ``fp32-unfused`` the reference's normalise-in-fp32 module of torchtitan's 2024 releases."""
     fuse_qkv: bool = True
     """One ``wqkv`` projection split into q, k, v (torchtitan 0.3.0) instead of ``wq``, ``wk``, ``wv``."""
+    rope: Literal["per-layer", "shared"] = "per-layer"
+    """RoPE table: one ``cache`` buffer per attention (torchtitan 0.3.0) or one ``rope_cache`` buffer of the model
+    that every layer reads (torchtitan's 2024 releases)."""
 
     @property
     def head_dim(self) -> int:
@@ -142,7 +145,8 @@ class Attention(nn.Module):
             self.wk = nn.Linear(args.dim, kv, bias=False)
             self.wv = nn.Linear(args.dim, kv, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.rope = RotaryEmbedding(self.head_dim, max_seq_len, args.rope_theta)
+        per_layer = args.rope == "per-layer"
+        self.rope = RotaryEmbedding(self.head_dim, max_seq_len, args.rope_theta) if per_layer else None
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bs, seq, _ = x.shape
@@ -155,10 +159,11 @@ class Attention(nn.Module):
         # Each made contiguous, as torchtitan does (copies of the strided split).
         return tuple(t.reshape(bs, seq, -1, hd).contiguous() for t in (q, k, v))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        """``rope``: the model's shared table, or None (positions 0..seq-1 of this layer's own table)."""
         bs, seq, _ = x.shape
         q, k, v = self.qkv(x)
-        q, k = self.rope(q, k, positions)
+        q, k = self.rope(q, k, rope) if self.rope is not None else (apply_rope(q, rope), apply_rope(k, rope))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
         out = out.transpose(1, 2).contiguous().view(bs, seq, -1)
@@ -184,8 +189,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = rms_norm(args.dim, args.norm_eps, args.norm)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), positions)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -247,12 +252,13 @@ class LlamaTransformer(DecoderLM):
 
     def __init__(self, args: LlamaArgs, max_seq_len: int) -> None:
         super().__init__()
-        self.build_parts(args, None, max_seq_len, lambda i: TransformerBlock(args, max_seq_len))
+        rope = args.head_dim if args.rope == "shared" else None
+        self.build_parts(args, rope, max_seq_len, lambda i: TransformerBlock(args, max_seq_len))
 
-    def rope_input(self, h: torch.Tensor) -> None:
-        """No positions: each layer's RoPE gathers rows 0..seq-1 of its own table (torchtitan's data loader gives
-        one document per row)."""
-        return None
+    def rope_input(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The shared table, or None: each layer's RoPE gathers rows 0..seq-1 of its own table (torchtitan's data
+        loader gives one document per row)."""
+        return self.rope_cache if self.args.rope == "shared" else None
 
     def init_weights(self) -> None:
         """Real initialisation (used only by real execution; a dry run needs no values)."""
@@ -287,6 +293,9 @@ def init_llama_weights(model: DecoderLM) -> None:
             local.fill_(1.0)
         else:
             local.normal_(std=1.0 / math.sqrt(args.dim))
+    if args.rope == "shared":
+        cache = model.rope_cache
+        cache.copy_(rope_cache(args.head_dim, cache.shape[0], args.rope_theta).to(cache.dtype))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             cache = module.cache
