@@ -100,7 +100,9 @@ def test_initialiser_sets_norms_to_one_weights_to_the_dim_scale_and_recomputes_r
     assert std == pytest.approx(1 / math.sqrt(args.dim), rel=0.05)
     # torchtitan 0.3.0's llama: one table per attention; its 2024 llama (rope: shared) and the MoE models: one.
     per_layer = getattr(args, "rope", "shared") == "per-layer"
-    names = [f"layers.{i}.attention.rope.cache" for i in range(args.n_layers)] if per_layer else ["rope_cache"]
+    names = (
+        [f"layers.{i}.attention.rope.cache" for i in range(args.n_layers)] if per_layer else ["rope_cache"]
+    )
     tables = dict(model.named_buffers())
     assert sorted(tables) == sorted(names)
     for name in names:
