@@ -96,9 +96,26 @@ def test_chunked_loss_holds_one_chunk_of_logits():
             "training.loss_chunks=4 has no effect without training.loss='chunked'",
         ),
         ({"training": {"loss": "chunked", "loss_chunks": 3}}, "training.loss_chunks=3 must divide"),
-        ({"training": {"ac_selective": "ops"}}, "op, op-save-all-matmuls or a positive layer interval"),
+        (
+            {"training": {"ac": "selective", "ac_selective": "ops"}},
+            "training.ac_selective: must be 'op', 'op-save-all-matmuls' or a positive layer interval, got 'ops'",
+        ),
         ({"model": {"name": "moe-tiny", "fuse_qkv": False}}, "model.fuse_qkv=False applies to dense models"),
+        ({"model": {"name": "moe-tiny", "rope": "shared"}}, "model.rope=shared applies to dense models"),
         ({"model": {"norm": "layer"}}, "model.norm"),
+        (
+            # one rank computing in fp32: no FSDP2 (its mixed-precision policy would apply it)
+            {"parallel": {"fsdp_wrap": "torchtitan-2024"}, "training": {"param_dtype": "fp32"}},
+            "parallel.fsdp_wrap='torchtitan-2024' has no effect: FSDP2 is not applied",
+        ),
+        (
+            {
+                "world": {"world_size": 2},
+                "parallel": {"pp": 2},
+                "training": {"loss": "chunked", "num_micro_batches": 2},
+            },
+            "training.loss='chunked' is not built with parallel.pp=2",
+        ),
     ],
 )
 def test_fields_reject_bad_or_ineffective_values(data, message):
@@ -107,8 +124,33 @@ def test_fields_reject_bad_or_ineffective_values(data, message):
 
 
 def test_earlier_torchtitan_choices_stay_selectable():
+    model = {"norm": "fp32-unfused", "fuse_qkv": False, "rope": "shared"}
     cfg = build_config(
-        {"model": {"norm": "fp32-unfused", "fuse_qkv": False}, "parallel": {"fsdp_wrap": "torchtitan-2024"}}
+        {"model": model, "world": {"world_size": 2}, "parallel": {"fsdp_wrap": "torchtitan-2024"}}
     )
     args = cfg.model.args()
-    assert (args.norm, args.fuse_qkv, cfg.parallel.fsdp_wrap) == ("fp32-unfused", False, "torchtitan-2024")
+    assert (args.norm, args.fuse_qkv, args.rope) == ("fp32-unfused", False, "shared")
+    assert cfg.parallel.fsdp_wrap == "torchtitan-2024"
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"model": {"name": "hf:llama-3.1-8b", "norm": "fused"}},
+        {"model": {"name": "hf:llama-3.1-8b", "rope": "shared"}},
+        {"model": {"name": "hf:llama-3.1-8b"}, "training": {"loss": "chunked"}},
+        {
+            "model": {"name": "hf:llama-3.1-8b"},
+            "world": {"world_size": 2},
+            "parallel": {"fsdp_wrap": "torchtitan"},
+        },
+    ],
+)
+def test_preset_choices_are_errors_on_hugging_face_models(field):
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    if field.get("parallel"):  # the default value is accepted; the other one has no effect on an HF model
+        build_config(field)
+        field = {**field, "parallel": {"fsdp_wrap": "torchtitan-2024"}}
+    with pytest.raises(ConfigError, match="applies to built-in presets") as err:
+        build_config(field)
+    assert "\n" not in str(err.value)
