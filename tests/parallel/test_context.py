@@ -41,12 +41,22 @@ def _saved_by_attention(trace) -> list:
 
 
 def _qkv_lse(blocks) -> int:
-    """The saved q, k, v (projection and RoPE outputs) and logsumexp, by the ops that produce them."""
+    """The saved q, k, v and logsumexp, by the ops that produce them: q and k the RoPE's bf16 casts back
+    (``_to_copy``), v the contiguous copy of the fused wqkv split (a ``clone`` made before the layer's RoPE runs;
+    a later clone is the attention output's transposed copy), the logsumexp the kernel's or the ring's."""
     lse_ops = ("_scaled_dot_product_cudnn_attention", "cat", "sub")
+    rope_start = {}
+    for b in blocks:
+        if b.module.endswith(".rope"):
+            layer = b.module.removesuffix(".rope")
+            rope_start[layer] = min(rope_start.get(layer, b.start), b.start)
     total = 0
     for b in blocks:
-        if b.op in ("mm", "_to_copy") or (
-            b.op in lse_ops and b.requested % (H * FP32) == 0 and b.requested < 2048
+        v_copy = b.op == "clone" and b.start < rope_start[b.module]
+        if (
+            (b.op == "_to_copy" and b.module.endswith(".rope"))
+            or v_copy
+            or (b.op in lse_ops and b.requested % (H * FP32) == 0 and b.requested < 2048)
         ):
             total += b.requested
     return total
@@ -117,12 +127,15 @@ def test_batch_and_rope_buffer_are_sharded_with_the_load_balancer(traces):
     assert [b.requested for b in blocks if b.op == "randint"] == [B * S * INT64] * 2
     assert [b.requested for b in blocks if b.op == "gather"] == [B * S * INT64] * 2
     rope_row = HD // 2 * 8  # complex64 rotations per position
-    assert [b.requested for b in blocks if b.op == "index_select"] == [S * rope_row]
+    # one RoPE table per layer (torchtitan 0.3.0), each reordered and sharded like the batch
+    assert [b.requested for b in blocks if b.op == "index_select"] == [S * rope_row] * LAYERS
     kept = [b.requested for b in blocks if b.op == "clone" and b.end == max(x.end for x in blocks)]
-    # Held by context_parallel's frame until it exits: the RoPE buffer's restore copy (whole), the list of shards
-    # (tokens, labels, RoPE) and the loop's last ``shard.clone()`` (RoPE's); the buffers were resized in place.
+    # Held by context_parallel's frame until it exits: each RoPE buffer's restore copy (whole), the list of shards
+    # (tokens, labels, every layer's RoPE) and the loop's last ``shard.clone()`` (the last RoPE's); the buffers
+    # were resized in place.
     half_batch, half_rope = B * S // 2 * INT64, S // 2 * rope_row
-    assert sorted(kept) == sorted([S * rope_row, half_batch, half_batch, half_rope, half_rope])
+    expected = [S * rope_row] * LAYERS + [half_batch] * 2 + [half_rope] * LAYERS + [half_rope]
+    assert sorted(kept) == sorted(expected)
 
 
 def test_torch_default_for_causal_sdpa_is_head_tail_load_balancing():
@@ -172,9 +185,9 @@ def test_each_micro_batch_runs_its_own_ring():
     gathers = [b for b in trace.blocks if b.op == "all_gather_into_tensor" and b.phase == Phase.FORWARD]
     gathers = [b for b in gathers if _ATTENTION.match(b.module)]
     assert sorted(b.micro_batch for b in gathers) == [0] * LAYERS + [1] * LAYERS
-    # the RoPE buffer is restored between micro batches: the second one shards the whole buffer again
+    # the RoPE buffers (one per layer) are restored between micro batches: the second one shards them whole again
     rope = [b for b in trace.blocks if b.op == "index_select" and b.phase == Phase.FORWARD]
-    assert [b.requested for b in rope] == [S * HD // 2 * 8] * 2
+    assert [b.requested for b in rope] == [S * HD // 2 * 8] * (2 * LAYERS)
 
 
 def test_ring_buffers_are_collective_outputs_freed_within_the_layer():

@@ -21,8 +21,9 @@ SEQ, DIM = 256, 64
 H = SEQ * DIM * 2
 
 
-def pipeline_run(pp: int, rank: int, schedule: str, layers: list[int], n_mb: int):
+def pipeline_run(pp: int, rank: int, schedule: str, layers: list[int], n_mb: int, **over):
     return dry_run(
+        **over,
         model__n_layers=sum(layers),
         training__seq_len=SEQ,
         training__ac="full",
@@ -96,7 +97,11 @@ def test_1f1b_first_stage_holds_more_than_later_stages_and_peaks_higher(one_f_on
     assert held == [12 * H, 6 * H, 4 * H]
     peaks = [one_f_one_b_ranks[r].peak for r in range(4)]
     assert peaks[0] > peaks[1] > peaks[2]
-    assert peaks[0] > peaks[3]
+    # torchtitan 0.3.0's FSDP units keep the last stage's norm + head unsharded after forward (in bf16, never
+    # resharded); under its 2024 units (the root holds them, resharded) stage 0's extra micro batches dominate.
+    last_2024 = pipeline_run(4, 3, "1F1B", [2, 2, 2, 2], 8, parallel__fsdp_wrap="torchtitan-2024")
+    first_2024 = pipeline_run(4, 0, "1F1B", [2, 2, 2, 2], 8, parallel__fsdp_wrap="torchtitan-2024")
+    assert first_2024.peak > last_2024.peak
 
 
 @pytest.mark.parametrize("stage", [0, 1])

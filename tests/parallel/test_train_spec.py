@@ -48,9 +48,7 @@ def test_llama_block_plan_splits_attention_and_ffn_megatron_style():
     assert _styles(specs.LLAMA_SPEC.tp_plan(block, Shard(1))) == {
         "attention": PrepareModuleInput,
         "attention.wo": RowwiseParallel,
-        "attention.wq": ColwiseParallel,
-        "attention.wk": ColwiseParallel,
-        "attention.wv": ColwiseParallel,
+        "attention.wqkv": ColwiseParallel,  # torchtitan 0.3.0's fused projection, whole KV groups per rank
         "feed_forward": PrepareModuleInput,
         "feed_forward.w1": ColwiseParallel,
         "feed_forward.w2": RowwiseParallel,
