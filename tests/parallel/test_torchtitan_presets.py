@@ -12,7 +12,7 @@ from hyperdryrun.config import ConfigError, build_config
 from hyperdryrun.models.llama import PRESETS, LlamaTransformer, TransformerBlock
 from hyperdryrun.parallel.ac import checkpointed_layers, every_second_matmul_policy, torchtitan_save_ops
 from hyperdryrun.recipe import run_job
-from hyperdryrun.trace.blocks import Phase
+from hyperdryrun.trace.blocks import Category, Phase
 
 TINY = PRESETS["llama-tiny"]  # dim 64, 4 heads, 2 KV heads (head_dim 16), ffn 128, vocab 256
 
@@ -154,3 +154,49 @@ def test_preset_choices_are_errors_on_hugging_face_models(field):
     with pytest.raises(ConfigError, match="applies to built-in presets") as err:
         build_config(field)
     assert "\n" not in str(err.value)
+
+
+def _r512(n: int) -> int:
+    return (n + 511) // 512 * 512
+
+
+@pytest.mark.parametrize(
+    "fsdp_wrap, kept",
+    [
+        # torchtitan 0.3.0 under PP: no unit reshards after forward, so the embedding and both blocks of stage 0
+        pytest.param("torchtitan", ("tok_embeddings", "layers.0", "layers.1"), id="torchtitan-0.3.0"),
+        # its 2024 releases: every block but the stage's last resharded, the root (embedding) too
+        pytest.param("torchtitan-2024", ("layers.1",), id="torchtitan-2024"),
+    ],
+)
+def test_pipeline_stage_0_holds_its_units_and_rope_tables_as_torchtitan_does(fsdp_wrap, kept):
+    """PP layout (torchtitan's path refuses PP, so this is the independent derivation): pp=2 x dp_shard=2, rank 0
+    is stage 0 of llama-tiny with 4 layers (embedding, layers 0-1), seq 64, 1F1B over 2 micro batches. Bytes from
+    the shapes: one 512-rounded storage per parameter; fp32 shards over 2 ranks, bf16 unsharded copies."""
+    trace = run_job(
+        build_config(
+            {
+                "model": {"name": "llama-tiny", "n_layers": 4},
+                "world": {"world_size": 4},
+                "parallel": {"pp": 2, "dp_shard": 2, "fsdp_wrap": fsdp_wrap},
+                "training": {"seq_len": 64, "num_micro_batches": 2},
+                "target_device": "cuda",
+            }
+        ),
+        capture_stacks=False,
+    )
+    block = [128 * 64, 64 * 64, 128 * 64, 64 * 128, 128 * 64, 64, 64]  # wqkv, wo, w1, w2, w3, two norms
+    units = {"tok_embeddings": [256 * 64], "layers.0": block, "layers.1": block}
+    shards = sum(_r512(n * 4 // 2) for unit in units.values() for n in unit)
+    persistent = [b for b in trace.blocks if b.persistent]
+    assert sum(b.size for b in persistent if b.category is Category.PARAMETER) == shards == 182_272
+    # only stage 0's two layers' RoPE tables: complex64 (64 positions, 16 / 2 rotations) each
+    assert sum(b.size for b in persistent if b.category is Category.BUFFER) == 2 * _r512(64 * 8 * 8)
+    first_backward = trace.task_phase.index(Phase.BACKWARD)
+    unsharded = [
+        b
+        for b in trace.blocks
+        if b.category is Category.PARAMETER and not b.persistent and b.start <= first_backward < b.end
+    ]
+    assert {b.module for b in unsharded} == set(kept)
+    assert sum(b.size for b in unsharded) == sum(_r512(n * 2) for m in kept for n in units[m])
