@@ -402,6 +402,17 @@ class JobConfig(_Strict):
             raise ValueError(
                 f"training.loss='chunked' applies to built-in presets, {self.model.name!r} is not one"
             )
+        if t.loss == "chunked" and not fsdp_off and (self.model.is_moe or p.fsdp_wrap != "torchtitan"):
+            # The chunked loss runs the head per chunk: it needs the head as its own FSDP2 unit.
+            what = (
+                f"model {self.model.name!r} (MoE)"
+                if self.model.is_moe
+                else f"parallel.fsdp_wrap={p.fsdp_wrap!r}"
+            )
+            raise ValueError(
+                f"training.loss='chunked' needs norm + head as their own FSDP2 unit (parallel.fsdp_wrap: "
+                f"torchtitan on a dense preset), not {what}"
+            )
         if p.fsdp_wrap != _default(ParallelConfig, "fsdp_wrap") and hf.is_hf_name(self.model.name):
             raise ValueError(
                 f"parallel.fsdp_wrap={p.fsdp_wrap!r} applies to built-in presets, {self.model.name!r} is a "

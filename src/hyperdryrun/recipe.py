@@ -171,14 +171,19 @@ def job_metadata(cfg: JobConfig) -> dict:
         "norm": getattr(args, "norm", None),
         "fuse_qkv": getattr(args, "fuse_qkv", None),
         "rope": getattr(args, "rope", None),
-        # HF models have FSDP units of their own (parallel/hf.py), no built-in preset's.
-        "fsdp_wrap": cfg.parallel.fsdp_wrap
-        if fsdp_enabled(cfg) and cfg.model.family.logits is None
-        else None,
+        "fsdp_wrap": fsdp_wrap_applied(cfg),
         "pipeline": pipeline(cfg).metadata() if cfg.parallel.pp > 1 else None,
         "context_parallel": context_parallel_metadata(cfg),
         "moe": moe_metadata(cfg),
     }
+
+
+def fsdp_wrap_applied(cfg: JobConfig) -> str | None:
+    """The FSDP2 units the step applies: ``parallel.fsdp_wrap`` for the dense presets; the MoE presets'
+    (parallel/expert.py) are torchtitan-2024's; HF models have their own (parallel/hf.py), none of these."""
+    if not fsdp_enabled(cfg) or cfg.model.family.logits is not None:
+        return None
+    return "torchtitan-2024" if cfg.model.is_moe else cfg.parallel.fsdp_wrap
 
 
 def context_parallel_metadata(cfg: JobConfig) -> dict | None:

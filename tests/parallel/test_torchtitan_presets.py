@@ -200,3 +200,35 @@ def test_pipeline_stage_0_holds_its_units_and_rope_tables_as_torchtitan_does(fsd
     ]
     assert {b.module for b in unsharded} == set(kept)
     assert sum(b.size for b in unsharded) == sum(_r512(n * 2) for m in kept for n in units[m])
+
+
+def test_the_report_metadata_states_the_preset_choices():
+    def meta(data: dict) -> dict:
+        m = run_job(
+            build_config({"world": {"world_size": 2}, "training": {"seq_len": 64}, **data}), False
+        ).metadata
+        return {k: m[k] for k in ("loss", "norm", "fuse_qkv", "rope", "fsdp_wrap")}
+
+    assert meta({"model": {"name": "llama-tiny"}}) == {
+        "loss": {"kind": "cross-entropy", "chunks": None},
+        "norm": "fused",
+        "fuse_qkv": True,
+        "rope": "per-layer",
+        "fsdp_wrap": "torchtitan",
+    }
+    old = {"name": "llama-tiny", "norm": "fp32-unfused", "fuse_qkv": False, "rope": "shared"}
+    assert meta({"model": old, "parallel": {"fsdp_wrap": "torchtitan-2024"}}) == {
+        "loss": {"kind": "cross-entropy", "chunks": None},
+        "norm": "fp32-unfused",
+        "fuse_qkv": False,
+        "rope": "shared",
+        "fsdp_wrap": "torchtitan-2024",
+    }
+    # MoE presets: the norm is shared, q/k/v and RoPE are the MoE model's own, FSDP units parallel/expert.py's
+    assert meta({"model": {"name": "moe-tiny"}}) == {
+        "loss": {"kind": "cross-entropy", "chunks": None},
+        "norm": "fused",
+        "fuse_qkv": None,
+        "rope": None,
+        "fsdp_wrap": "torchtitan-2024",
+    }
