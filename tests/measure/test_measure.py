@@ -64,8 +64,9 @@ def test_residents_are_parameters_buffers_and_adamw_states_by_shape(tiny):
     c, trace = tiny
     args = c.model.args()
     n = args.num_params()
-    rope = c.training.seq_len * args.head_dim * F32
-    # fp32 parameters, exp_avg and exp_avg_sq, and the RoPE buffer; no gradients after zero_grad(set_to_none).
+    # one complex64 RoPE table (seq x head_dim/2 x 8 B) per layer (torchtitan 0.3.0)
+    rope = args.n_layers * c.training.seq_len * args.head_dim * F32
+    # fp32 parameters, exp_avg and exp_avg_sq, and the RoPE buffers; no gradients after zero_grad(set_to_none).
     assert trace.initial == n * F32 + 2 * n * F32 + rope
 
 
@@ -83,16 +84,18 @@ def test_module_parameter_bytes_follow_the_layer_shapes(tiny):
     a = c.model.args()
     kv = a.n_kv_heads * a.head_dim
     expected = {
-        "layers.0.attention.wq": a.dim * a.dim * F32,
-        "layers.1.attention.wk": a.dim * kv * F32,
+        # q, k and v: one fused projection (torchtitan 0.3.0's wqkv)
+        "layers.0.attention.wqkv": a.dim * (a.dim + 2 * kv) * F32,
         "layers.0.feed_forward.w1": a.dim * a.ffn_dim * F32,
         "output": a.vocab_size * a.dim * F32,
         "<root>": a.num_params() * F32,
     }
     assert {k: trace.modules[k].param_bytes for k in expected} == expected
-    assert trace.modules["<root>"].buffer_bytes == c.training.seq_len * a.head_dim * F32
+    assert trace.modules["<root>"].buffer_bytes == a.n_layers * c.training.seq_len * a.head_dim * F32
     assert trace.modules["layers"].fw_peak == 0  # a ModuleDict is never called
-    assert 0 < trace.modules["layers.0.attention.wq"].fw_peak <= trace.modules["<root>"].fw_peak <= trace.peak
+    assert (
+        0 < trace.modules["layers.0.attention.wqkv"].fw_peak <= trace.modules["<root>"].fw_peak <= trace.peak
+    )
 
 
 def test_metadata_says_measured_and_reports_kernel_scratch(tiny):
