@@ -86,3 +86,31 @@ def test_finalize_blocks_by_hand():
         Category.TEMP,
         Category.ACTIVATION,
     ]
+
+
+def test_a_waited_collective_output_stays_allocated_while_its_unwaited_tensor_is_held():
+    """Real ``wait_tensor`` returns its input, so the reduce-scatter's output and the waited tensor are one memory,
+    freed when both are gone (selective AC holds the unwaited output, torchtitan's policy saves reduce-scatters).
+    Under fake mode the wait returns a new storage; the block must still end only after the last holder dies.
+    By hand: task 0 allocates the 2 x 256 fp32 reduce-scatter's 1 x 256 output (1024 B), task 1 uses it through the
+    waited tensor, which then dies; task 2 uses it through the held output, which dies before task 3: end 3."""
+    import torch.distributed as dist
+
+    c10d = torch.ops._c10d_functional
+    with SimulatedWorld(world_size=2) as world, world.fake():
+        tracker = world.track(capture_stacks=False)
+        x = torch.empty(2, 256, device=world.device)
+        tracker.start()
+        held = c10d.reduce_scatter_tensor(x, "sum", 2, dist.group.WORLD.group_name)
+        waited = c10d.wait_tensor(held)
+        y = waited + 1
+        del waited
+        z = held * 2
+        del held
+        w = y * 2
+        tracker.stop()
+    assert tracker.task_op == ["reduce_scatter_tensor", "add", "mul", "mul"]
+    scattered = tracker.blocks[0]
+    assert (scattered.size, scattered.start, scattered.end, scattered.users) == (1024, 0, 3, [1, 2])
+    assert [b.start for b in tracker.blocks[1:]] == [1, 2, 3]
+    del y, z, w

@@ -107,6 +107,9 @@ class MemoryTracker:
         self._paused = 0
         self._live: dict[int, Block] = {}
         self._refs: dict[int, weakref.ref] = {}
+        self._holders: dict[int, int] = {}
+        """Block id -> how many storages hold its memory, for blocks that more than one fake storage stands for
+        (see :meth:`_alias`); a block is freed when the last of them dies."""
         self._roles: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._next_addr = ADDRESS_BASE
         self._depth = 0
@@ -329,18 +332,37 @@ class MemoryTracker:
 
     def _alias(self, inp: Any, out: Any) -> bool:
         """``out`` is ``inp``'s memory: torch 2.13's real ``_c10d_functional.wait_tensor`` returns its input, while
-        its Meta kernel (used under fake mode) returns ``empty_like(input)``. The block moves to ``out``'s storage."""
+        its Meta kernel (used under fake mode) returns ``empty_like(input)``. Both fake storages now stand for the
+        block, which ends when the last of them dies: in real execution whoever still holds the input (e.g.
+        selective AC saving a collective's output, torchtitan's policy saves reduce-scatters) keeps the memory
+        that the waited tensor's users see."""
         if not isinstance(inp, torch.Tensor) or not isinstance(out, torch.Tensor):
             return False
         src, dst = inp.untyped_storage(), out.untyped_storage()
-        blk = self._live.pop(id(src), None)
+        blk = self._live.get(id(src))
         if blk is None:
             return False
         key = id(dst)
-        self._live[key] = blk
+        if self._live.get(key) is not blk:
+            self._live[key] = blk
+            self._holders[blk.id] = self._holders.get(blk.id, 1) + 1
         if key not in self._refs:
             self._refs[key] = weakref.ref(dst, self._storage_died(key))
         return True
+
+    def _release(self, key: int) -> Block | None:
+        """Forget storage ``key``; its block if no other storage holds that memory (then it is freed)."""
+        blk = self._live.pop(key, None)
+        if blk is None:
+            return None
+        held = self._holders.get(blk.id)
+        if held is None:
+            return blk
+        if held > 2:
+            self._holders[blk.id] = held - 1
+        else:
+            del self._holders[blk.id]
+        return None
 
     def _note_group(self, group: Any) -> None:
         if not isinstance(group, str):
@@ -379,7 +401,12 @@ class MemoryTracker:
         if blk is not None:
             # The old bytes are freed during this task (a reallocation copies before it frees): end at task + 1.
             blk.users.append(task)
-            self._pending.append(self._live.pop(key))
+            self._live.pop(key)
+            if self._holders.pop(blk.id, None) is not None:
+                # The one memory is resized: no other storage holds the old bytes any more.
+                for other in [k for k, b in self._live.items() if b is blk]:
+                    del self._live[other]
+            self._pending.append(blk)
         if new > 0:
             sid = self.stacks.capture(sys._getframe(2)) if self.capture_stacks else 0
             self._open(st, key, task, RESIZE_OP, phase, sid)
@@ -433,7 +460,7 @@ class MemoryTracker:
             self._refs.pop(key, None)
             if not self.active:
                 return  # after the step: what is still open stays persistent
-            blk = self._live.pop(key, None)
+            blk = self._release(key)
             if blk is None:
                 return
             if self._depth:
@@ -529,7 +556,7 @@ class MemoryTracker:
         return len(self.task_op)
 
     def live_blocks(self) -> list[Block]:
-        return list(self._live.values())
+        return list({blk.id: blk for blk in self._live.values()}.values())
 
     def finalize(self) -> list[Block]:
         """Fill in default categories and plot coordinates (:func:`~hyperdryrun.trace.blocks.finalize_blocks`);
