@@ -217,8 +217,10 @@ layer("sdpa_causal_bf16_dropout")(_sdpa(dropout=0.125))
 def _llama_block(device: torch.device) -> Case:
     from hyperdryrun.models.llama import PRESETS, TransformerBlock, rope_cache
 
-    args = PRESETS["llama-tiny"]
-    mod = _module(lambda: TransformerBlock(args), device, torch.bfloat16)
+    # The block as recorded on a GPU in tests/audit/fixtures/cuda_kernels.json: torchtitan's 2024 layout (unfused fp32
+    # RMSNorm, separate q/k/v, the model's shared RoPE table), not the 0.3.0 preset's defaults.
+    args = PRESETS["llama-tiny"].replace(norm="fp32-unfused", fuse_qkv=False, rope="shared")
+    mod = _module(lambda: TransformerBlock(args, S), device, torch.bfloat16)
     rope = rope_cache(args.head_dim, S, args.rope_theta).to(device)
     x = _x(device, B, S, args.dim)
     return Case(forward=lambda: mod(x, rope), keep=[mod, rope, x])
