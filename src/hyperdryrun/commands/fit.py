@@ -383,6 +383,7 @@ def outcome_dict(outcome: Any) -> dict[str, Any]:
                 "cached": c.cached,
                 "seconds": round(c.seconds, 3),
                 "figures": None if c.figures is None else c.figures.to_dict(),
+                "confirmed": c.confirmed,
                 "error": c.error,
             }
             for c in r.classes
@@ -474,7 +475,8 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
             lay, w = r.candidate.layout, r.worst
             head = job.capacity_bytes - verdict_bytes(w.figures, r.basis)
             methods = sorted(set(r.methods))
-            cached = " (cached)" if r.cached else ""
+            confirmed = sum(c.confirmed for c in r.classes)
+            cached = (f" ({confirmed} confirmed)" if confirmed else "") + (" (cached)" if r.cached else "")
             t.add_row(
                 str(i), lay.label(), f"{lay.micro_batch_size} x {lay.num_micro_batches}", lay.ac,
                 _seconds(r.time.total), f"{r.time.tokens_per_s_per_gpu:,.0f}", _gib(r.peak("peak_bytes")),
@@ -498,7 +500,13 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
     if not quiet:
         console.print(
             f"rank classes: {c['rank_classes']} simulations for the {c['simulated'] + c['cached']} layouts dry-run; "
-            f"{c['extrapolated']} extrapolated from samples (exact), the rest in full · {outcome.seconds:,.1f} s"
+            f"{c['extrapolated']} extrapolated from samples (exact), the rest in full"
+            + (
+                f"; {c['confirmed']} of those run again in full for the device figure"
+                if c["confirmed"]
+                else ""
+            )
+            + f" · {outcome.seconds:,.1f} s"
         )
         for p in written or []:
             console.print(f"[dim]wrote {p}[/]", soft_wrap=True)

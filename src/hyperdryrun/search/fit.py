@@ -9,6 +9,9 @@
    each through the exact shortcut where it holds (:mod:`hyperdryrun.search.extrapolate`), answered from the cache
    when the same rank of the same job ran before; with ``top`` > 0 the search stops once the ``top`` fastest layouts
    that fit are known (slower ones cannot enter the table).
+4. Confirm on the device figure: an extrapolated class has allocated bytes only (the allocator model's reserved and
+   device peaks are not affine in the layers), so every such class of a layout that fits on them and would enter the
+   table is run again in full; a layout that then exceeds the capacity is an OOM, and step 3 goes on with the next.
 
 A layout fits when its worst rank's peak is within the capacity, the peak being the allocator model's device figure
 when the reports carry it, else its reserved figure, else the allocated bytes (:func:`verdict_figure` says which).
@@ -59,6 +62,8 @@ class ClassResult:
     error: str | None = None
     cached: bool = False
     seconds: float = 0.0
+    confirmed: bool = False
+    """Its figures were first extrapolated, then run in full for the allocator's device figure (step 4)."""
 
 
 @dataclass
@@ -114,6 +119,15 @@ class CandidateResult:
     def methods(self) -> list[str]:
         return [c.figures.method for c in self.classes if c.figures is not None]
 
+    @property
+    def unconfirmed(self) -> list[ClassResult]:
+        """Classes judged on extrapolated figures (allocated bytes only): the device figure needs a full run."""
+        return [
+            c
+            for c in self.classes
+            if c.figures is not None and c.figures.method == EXTRAPOLATED and not c.error
+        ]
+
 
 def verdict_figure(figures: StepFigures | list[StepFigures]) -> str:
     """Which figure the capacity is checked against: ``device``, else ``reserved``, else ``allocated``, the first
@@ -146,7 +160,9 @@ class FitOutcome:
         ran = [r for r in self.results if r.classes and r.status in (FITS, OOM, FAILED)]
         out["simulated"] = sum(not r.cached for r in ran)
         out["cached"] = sum(r.cached for r in ran)
-        out["extrapolated"] = sum(1 for r in ran for m in r.methods if m == EXTRAPOLATED)
+        confirmed = sum(c.confirmed for r in ran for c in r.classes)
+        out["extrapolated"] = sum(1 for r in ran for m in r.methods if m == EXTRAPOLATED) + confirmed
+        out["confirmed"] = confirmed
         out["rank_classes"] = sum(len(r.simulated_classes) for r in ran)
         return out
 
@@ -202,6 +218,8 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
         for r in survivors:
             if _enough(survivors, job.top):
                 return
+            if id(r) in started:
+                continue
             started.add(id(r))
             for c in r.classes:
                 if r.over(job.capacity_bytes):
@@ -215,12 +233,34 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
             if on_progress:
                 on_progress(outcome)
 
-    for res in executor.imap(tasks()):
-        r, c = by_key[res.key]
-        _take(res, c, cache)
-        _settle(r, job.capacity_bytes)
-        if on_progress:
-            on_progress(outcome)
+    def confirmations(todo: list[CandidateResult]) -> Iterator[SimTask]:
+        for r in todo:
+            for c in r.unconfirmed:
+                key = _key(r.candidate.cfg, c.rank_class, shortcut=False)
+                hit = cache.get("figures", key)
+                if hit is not None:
+                    _confirm(c, StepFigures.from_dict(hit), cached=True)
+                    continue
+                by_key[key] = (r, c)
+                yield SimTask(key, _rank_job(r.candidate, c.rank_class), False, _dir(cache))
+            _settle(r, job.capacity_bytes)
+            if on_progress:
+                on_progress(outcome)
+
+    def run(batch: Iterator[SimTask]) -> None:
+        for res in executor.imap(batch):
+            r, c = by_key[res.key]
+            _take(res, c, cache)
+            _settle(r, job.capacity_bytes)
+            if on_progress:
+                on_progress(outcome)
+
+    while True:
+        run(tasks())
+        todo = _to_confirm(survivors, job.top)
+        if not todo:
+            break
+        run(confirmations(todo))
     for r in survivors:
         if id(r) not in started:
             r.status, r.reason, r.classes = SKIPPED, f"not needed: {job.top} faster layouts fit", []
@@ -254,8 +294,33 @@ def _take(res: TaskResult, c: ClassResult, cache: ResultCache) -> None:
         c.error = f"computed with {res.versions}, this process has {versions()}: install the same versions"
         return
     assert res.figures is not None
-    c.figures = StepFigures.from_dict(res.figures)
+    figures = StepFigures.from_dict(res.figures)
+    if c.figures is not None and c.figures.method == EXTRAPOLATED:
+        cache.put("figures", res.key, res.figures)
+        _confirm(c, figures, cached=False)
+        return
+    c.figures = figures
     cache.put("figures", c.key, res.figures)
+
+
+def _confirm(c: ClassResult, full: StepFigures, cached: bool) -> None:
+    """Replace ``c``'s extrapolated figures by the full run's (the same allocated bytes, plus the device figure)."""
+    c.figures, c.confirmed, c.cached = full, True, c.cached and cached
+
+
+def _to_confirm(ordered: list[CandidateResult], top: int) -> list[CandidateResult]:
+    """The layouts that fit on extrapolated figures and would enter the table (among the ``top`` fastest that fit,
+    every one when ``top`` is 0): their device figure is still to be had."""
+    out, fits = [], 0
+    for r in ordered:
+        if r.status != FITS:
+            continue
+        fits += 1
+        if r.unconfirmed:
+            out.append(r)
+        if top and fits >= top:
+            break
+    return out
 
 
 def _settle(r: CandidateResult, capacity: int) -> None:

@@ -1,0 +1,99 @@
+"""Step 4 of the search: a layout that fits on extrapolated (allocated-only) figures is run again in full for the
+allocator model's device figure before it enters the table, and is an OOM if that figure is over the capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+import hyperdryrun.search.extrapolate as ex
+from hyperdryrun.config import build_config
+from hyperdryrun.recipe import run_job
+from hyperdryrun.report.build import build_report
+from hyperdryrun.search.cache import ResultCache
+from hyperdryrun.search.executors import InlineExecutor, TaskResult
+from hyperdryrun.search.extrapolate import EXTRAPOLATED, FULL, PhasePeak, StepFigures
+from hyperdryrun.search.fit import FITS, OOM, FitJob, fit
+from hyperdryrun.search.space import SearchSpace
+
+GIB = 2**30
+# llama-tiny with 8 layers, 2 ranks of FSDP, 12 sequences of 64 a step: one layout, 6 micro batches of 1 a rank,
+# which the shortcut extrapolates (samples of 3-5 layers x 3-5 micro batches) once the cost rule is lifted.
+BASE = build_config(
+    {"model": {"name": "llama-tiny", "n_layers": 8}, "world": {"world_size": 2}, "training": {"seq_len": 64}}
+).model_dump()
+SPACE = SearchSpace(tp=(1,), pp=(1,), micro_batch_sizes=(1,), ac=("none",))
+
+
+@pytest.fixture
+def any_saving(monkeypatch):
+    monkeypatch.setattr(ex, "MIN_SAVING", 100.0)
+
+
+def _direct(rank: int) -> dict:
+    cfg = build_config({**BASE, "world": {"world_size": 2, "rank": rank}, "training": {**BASE["training"],
+                        "num_micro_batches": 6}})  # fmt: skip
+    return build_report(run_job(cfg, capture_stacks=False))["summary"]
+
+
+def test_an_extrapolated_layout_that_fits_is_judged_on_the_device_figure_of_full_runs(any_saving):
+    outcome = fit(FitJob(BASE, 4 * GIB, 12, SPACE, top=1), InlineExecutor(), ResultCache(None))
+    (r,) = outcome.results
+    assert r.status == FITS and r.basis == "device"
+    assert r.classes and all(c.confirmed and c.figures.method == FULL for c in r.classes)
+    for c in r.classes:
+        direct = _direct(c.rank_class.representative)
+        assert (c.figures.peak_bytes, c.figures.peak_device_bytes) == (
+            direct["peak_bytes"],
+            direct["peak_device_bytes"],
+        )
+    assert outcome.counts()["confirmed"] == len(r.classes) == outcome.counts()["extrapolated"]
+    assert "device peak" in r.reason
+
+
+def test_a_layout_over_the_capacity_on_the_device_figure_is_an_oom_though_its_allocated_bytes_fit(any_saving):
+    summary = _direct(0)
+    allocated, device = summary["peak_bytes"], summary["peak_device_bytes"]
+    assert allocated < device
+    capacity = (allocated + device) // 2
+    outcome = fit(FitJob(BASE, capacity, 12, SPACE, top=1), InlineExecutor(), ResultCache(None))
+    (r,) = outcome.results
+    assert r.status == OOM and "device peak" in r.reason
+    assert outcome.ranked() == []
+
+
+def _figures(method: str, device: int | None) -> dict:
+    phase = PhasePeak(GIB, "mm", {"Activation": GIB})
+    return StepFigures(GIB, "forward", "mm", {"Activation": GIB}, 0, 0, {}, {"forward": phase},
+                       device, device, method).to_dict()  # fmt: skip
+
+
+class Scripted:
+    """An executor whose simulations are scripted: every rank's extrapolated figures are 1 GiB allocated; a full
+    run gives 3 GiB device on the layout dry-run first (the fastest) and 1.5 GiB on the others."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+        self.runs: list[tuple[int, bool]] = []
+
+    def imap(self, tasks):
+        for task in tasks:
+            mbs = task.job["training"]["micro_batch_size"]
+            self.first = mbs if self.first is None else self.first
+            self.runs.append((mbs, task.shortcut))
+            device = None if task.shortcut else (3 if mbs == self.first else 1.5) * GIB
+            yield TaskResult(task.key, _figures(EXTRAPOLATED if task.shortcut else FULL, device),
+                             versions={})  # fmt: skip
+
+
+def test_when_the_fastest_layout_fails_its_confirmation_the_search_goes_on_to_the_next():
+    space = SearchSpace(tp=(1,), pp=(1,), micro_batch_sizes=(1, 2), ac=("none",))
+    executor = Scripted()
+    outcome = fit(FitJob(BASE, 2 * GIB, 12, space, top=1), executor, ResultCache(None))
+    by_mbs = {r.candidate.layout.micro_batch_size: r for r in outcome.results}
+    first, second = executor.first, 3 - executor.first
+    assert by_mbs[first].status == OOM and by_mbs[second].status == FITS
+    assert [r.candidate.layout.micro_batch_size for r in outcome.ranked()] == [second]
+    # Each layout: its classes extrapolated, then the same classes in full.
+    for mbs in (first, second):
+        n = len(by_mbs[mbs].classes)
+        assert executor.runs.count((mbs, True)) == n and executor.runs.count((mbs, False)) == n
