@@ -46,7 +46,10 @@ def _job(model: str, layers: int, seq: int, output_dir: str):
         {
             "model": {"name": model, "n_layers": layers},
             "world": {"world_size": 8, "rank": 0},
-            "parallel": {"dp_shard": 8},
+            # torchtitan 2024's FSDP2 units: torch 2.13's FSDPMemTracker raises "does not support memory tracking
+            # for multiple iterative calls" on torchtitan 0.3.0's unit of norm + output (two modules, one state),
+            # and every variant must run the same step.
+            "parallel": {"dp_shard": 8, "fsdp_wrap": "torchtitan-2024"},
             "training": {"seq_len": seq, "micro_batch_size": 1, "ac": "none"},
             "output_dir": output_dir,
         }

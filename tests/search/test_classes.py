@@ -141,8 +141,13 @@ def _partition(groups) -> set[frozenset[int]]:
 BRUTE_FORCE = [
     # 64 rows over 3 FSDP ranks: 22, 22, 20 (torch.chunk), so rank 2 holds smaller shards.
     ("uneven FSDP shards", dict(world__world_size=3), [[0, 1], [2]]),
-    # A dim not divisible by dp_shard: dim 72 over 8 ranks is 9 each, but wk/wv (36 rows) chunk to 5,...,5,1.
-    ("uneven FSDP shards of a dim", dict(world__world_size=8, model__dim=72), [[0, 1, 2, 3, 4, 5, 6], [7]]),
+    # A dim not divisible by dp_shard: dim 72 over 8 ranks is 9 each, but separate wk/wv (36 rows) chunk to
+    # 5,...,5,1 (the fused wqkv's 144 rows split evenly, hence separate projections here).
+    (
+        "uneven FSDP shards of a dim",
+        dict(world__world_size=8, model__dim=72, model__fuse_qkv=False),
+        [[0, 1, 2, 3, 4, 5, 6], [7]],
+    ),
     # Four experts (and a 4-row router) over 8 FSDP ranks: ranks 4-7 get empty shards.
     ("empty FSDP shards", dict(model__name="moe-tiny", world__world_size=8), [[0, 1, 2, 3], [4, 5, 6, 7]]),
     # pp 2 x dp_shard 2 x tp 2: the stages differ, the tp and dp ranks of a stage do not.

@@ -88,12 +88,14 @@ def _attention(args: Any, moe: bool) -> list[tuple[str, tuple[int, ...], int | N
             *_linear("attention.wo", d, h * args.v_head_dim, 1),
         ]
     hd, kv = args.head_dim, args.n_kv_heads
-    out = [
-        *_linear("attention.wq", h * hd, d, 0),
-        *_linear("attention.wk", kv * hd, d, 0),
-        *_linear("attention.wv", kv * hd, d, 0),
-        *_linear("attention.wo", d, h * hd, 1),
-    ]
+    if not moe and args.fuse_qkv:
+        # One projection laid out by KV group, so a colwise TP shard holds whole groups (models/llama.py).
+        qkv = _linear("attention.wqkv", (h + 2 * kv) * hd, d, 0)
+    else:
+        qkv = [
+            w for x, n in (("q", h), ("k", kv), ("v", kv)) for w in _linear(f"attention.w{x}", n * hd, d, 0)
+        ]
+    out = [*qkv, *_linear("attention.wo", d, h * hd, 1)]
     if moe and args.qk_norm:
         out += [*_norm("attention.q_norm", hd), *_norm("attention.k_norm", hd)]
     return out

@@ -27,8 +27,9 @@ its check and missed), and not the block list: reports (JSON and CSV) come from 
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -611,19 +612,74 @@ def _fit_group(
             return _fit_keys(group, placed, points, plan, (EDGE, units - 1 - EDGE))
         except ShortcutFailed:
             continue
+    if k > 1:
+        # Not interleaved: k loops one after the other (torch's context_parallel copies, then shards, then
+        # restores every layer's RoPE table), with the fixed tasks before, between and after them.
+        for parts in _compositions(fixed, k + 1, MAX_SPLITS):
+            placed = []
+            for pt, t in members:
+                per_loop = (count[pt] - fixed) // k
+                place, unit = _sequential_place(t.occ, parts, per_loop)
+                placed.append((pt, t if unit is None else replace(t, u=unit), place))
+            try:
+                return _fit_keys(group, placed, points, plan, (EDGE, units - 1 - EDGE))
+            except ShortcutFailed:
+                continue
     raise ShortcutFailed(f"{_show(group)}: a loop over the {axis} that no alignment fits")
+
+
+MAX_SPLITS = 4096
+"""At most this many ways of placing the fixed tasks around sequential loops are tried."""
+
+
+def _compositions(total: int, parts: int, limit: int) -> Iterator[tuple[int, ...]]:
+    """Ways of writing ``total`` as an ordered sum of ``parts`` non-negative integers (the first ``limit``)."""
+
+    def rec(left: int, n: int) -> Iterator[tuple[int, ...]]:
+        if n == 1:
+            yield (left,)
+            return
+        for first in range(left + 1):
+            for rest in rec(left - first, n - 1):
+                yield (first, *rest)
+
+    yield from itertools.islice(rec(total, parts), limit)
+
+
+def _sequential_place(occ: int, parts: tuple[int, ...], per_loop: int) -> tuple[tuple, int | None]:
+    """(key place, unit or None) of occurrence ``occ`` when ``len(parts) - 1`` loops of ``per_loop`` tasks run one
+    after the other, ``parts[i]`` fixed tasks before loop ``i`` (the last part after the last loop): the fixed ones
+    and each loop's first and last ``EDGE`` keyed by place, a loop's middle ones by the loop and their unit."""
+    pos = 0
+    for i, fixed in enumerate(parts):
+        if occ < pos + fixed:
+            return ("F", i, occ - pos), None
+        pos += fixed
+        if i == len(parts) - 1:
+            break
+        if occ < pos + per_loop:
+            t = occ - pos
+            if t < EDGE:
+                return ("L", i, "f", t), None
+            if per_loop - 1 - t < EDGE:
+                return ("L", i, "b", per_loop - 1 - t), None
+            return ("u", i), t
+        pos += per_loop
+    raise ShortcutFailed(f"occurrence {occ} lies past the loops")
 
 
 def _unit_loop(group: tuple, count: dict[SamplePoint, int], plan: Plan) -> tuple[str, int, int, int]:
     """(what it loops over, tasks per unit ``k``, tasks outside the loop, the job's units) of a group whose count is
     ``fixed + k * units`` with one unit per layer (one stage) or per micro batch."""
-    if group[2] is None and group[1][-1:] != ("m",):
+    if group[2] is None:
+        # A loop over the layers may run in every micro batch (context parallel's per-layer RoPE buffers); one
+        # over the micro batches only outside them.
         if plan.varies_x and len(plan.stages) == 1:
             stage = plan.stages[0]
             found = _loop_rule(count, lambda q: plan.run_length(stage.stage, q.x))
             if found is not None:
                 return ("layers", *found, stage.run)
-        if plan.varies_m:
+        if plan.varies_m and group[1][-1:] != ("m",):
             found = _loop_rule(count, lambda q: q.m)
             if found is not None:
                 return ("micro batches", *found, plan.target_m)
