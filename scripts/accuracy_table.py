@@ -119,7 +119,11 @@ Module input/output bytes and call counts are not measured (0 in measured report
   `detect_fake_mode()`, which inside a dry run is the tracking mode: the FSDP+TP row counted the full-vocab
   log-softmax input and output (11.5% high). Now patched out of tracking (`world/__init__.py`).
 - `_c10d_functional.wait_tensor`'s Meta kernel returns `empty_like(input)`; the real kernel returns its input. TP
-  collective outputs were counted twice; the tracker now moves the block to the output.
+  collective outputs were counted twice; the tracker then moved the block to the output. That still freed the
+  memory with the waited tensor while the unwaited one was held: torchtitan 0.3.0's selective AC saves
+  reduce-scatter outputs, so with TP the two `AC=selective` rows were 16,384 B (forward peak) and 8,192 B short
+  (the built-in presets now use that policy). Both fake storages now stand for one block, freed when the last of
+  them dies (`MemoryTracker._alias`), and those rows agree to the byte.
 - DTensor's sharding caches compare meshes without their process groups, so a second world in one process failed
   ("Could not resolve the process group registered under the name ..."); the caches are cleared per world.
 

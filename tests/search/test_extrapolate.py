@@ -176,3 +176,25 @@ def test_the_allocator_figures_are_left_to_full_runs(any_saving):
     assert figures.peak_bytes == 111
     assert figures.peak_reserved_bytes is None and figures.peak_device_bytes is None
     assert "reserved/device peaks: full runs only" in figures.detail
+
+
+def test_sequential_loops_place_their_ends_by_place_and_their_middles_by_unit():
+    # Two loops of 5 (one per layer), 2 fixed tasks between them: occurrences 0-4, fixed 5-6, loop 7-11.
+    parts, n = (0, 2, 0), 5
+    places = [ex._sequential_place(o, parts, n) for o in range(2 * n + 2)]
+    assert places == [
+        (("L", 0, "f", 0), None), (("u", 0), 1), (("u", 0), 2), (("u", 0), 3), (("L", 0, "b", 0), None),
+        (("F", 1, 0), None), (("F", 1, 1), None),
+        (("L", 1, "f", 0), None), (("u", 1), 1), (("u", 1), 2), (("u", 1), 3), (("L", 1, "b", 0), None),
+    ]  # fmt: skip
+    with pytest.raises(ShortcutFailed, match="past the loops"):
+        ex._sequential_place(12, parts, n)
+    assert list(ex._compositions(2, 3, 100)) == [
+        (0, 0, 2),
+        (0, 1, 1),
+        (0, 2, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (2, 0, 0),
+    ]
+    assert len(list(ex._compositions(2, 3, 4))) == 4
