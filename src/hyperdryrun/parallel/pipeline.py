@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -82,31 +83,88 @@ def _activation_dtype(cfg: JobConfig) -> torch.dtype:
     return DTYPES[t.param_dtype] if fsdp_enabled(cfg) and t.param_dtype else DTYPES[t.dtype]
 
 
+@dataclasses.dataclass(frozen=True)
+class StageShapes:
+    """What a stage's example inputs, outputs and gradients are made of (one micro batch); the same for the
+    built-in decoders and torchtitan's. ``head``: the last stage returns logits, else (torchtitan's chunked loss
+    skips its head) the normed hidden states."""
+
+    micro_batch_size: int
+    seq_len: int
+    dim: int
+    vocab_size: int
+    dtype: torch.dtype
+    num_stages: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    head: bool = True
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> StageShapes:
+        """The built-in job's stage shapes."""
+        p, t, m = cfg.parallel, cfg.training, cfg.model.args()
+        return cls(
+            t.micro_batch_size,
+            t.seq_len,
+            m.dim,
+            m.vocab_size,
+            _activation_dtype(cfg),
+            p.pp_num_stages,
+            p.tp,
+            p.sequence_parallel,
+            p.loss_parallel,
+        )
+
+
 def stage_io_examples(cfg: JobConfig, stage: int, tp_mesh: Any) -> tuple[tuple, tuple, tuple | None]:
+    """:func:`stage_io` of the built-in job ``cfg``."""
+    return stage_io(StageShapes.of(cfg), stage, tp_mesh)
+
+
+def stage_io(shapes: StageShapes, stage: int, tp_mesh: Any) -> tuple[tuple, tuple, tuple | None]:
     """Example (meta) inputs, outputs and output grads of one stage: what ``PipelineStage`` needs to skip shape
     inference. Between stages flows the hidden state as a local tensor (sequence-sharded with sequence parallel);
     the last stage returns logits (a vocab-sharded DTensor with loss parallel)."""
-    p, t, m = cfg.parallel, cfg.training, cfg.model.args()
-    dtype = _activation_dtype(cfg)
-    seq = t.seq_len // p.tp if p.tp > 1 and p.sequence_parallel else t.seq_len
-    hidden = torch.empty(t.micro_batch_size, seq, m.dim, dtype=dtype, device="meta", requires_grad=True)
+    s, dtype = shapes, shapes.dtype
+    seq = s.seq_len // s.tp if s.tp > 1 and s.sequence_parallel else s.seq_len
+    hidden = torch.empty(s.micro_batch_size, seq, s.dim, dtype=dtype, device="meta", requires_grad=True)
     if stage == 0:
-        inputs: tuple = (torch.empty(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta"),)
+        inputs: tuple = (torch.empty(s.micro_batch_size, s.seq_len, dtype=torch.long, device="meta"),)
     else:
         inputs = (hidden,)
-    if stage < p.pp_num_stages - 1:
+    if stage < s.num_stages - 1 or not s.head:
         return inputs, (hidden,), None
-    if p.tp > 1 and p.loss_parallel:
+    if s.tp > 1 and s.loss_parallel:
         from torch.distributed.tensor import DTensor, Shard
 
-        local = torch.empty(t.micro_batch_size, t.seq_len, m.vocab_size // p.tp, dtype=dtype, device="meta")
+        local = torch.empty(s.micro_batch_size, s.seq_len, s.vocab_size // s.tp, dtype=dtype, device="meta")
         logits = DTensor.from_local(local, tp_mesh, [Shard(2)], run_check=False).requires_grad_(True)
         grad = DTensor.from_local(local, tp_mesh, [Shard(2)], run_check=False)
         return inputs, (logits,), (grad,)
     logits = torch.empty(
-        t.micro_batch_size, t.seq_len, m.vocab_size, dtype=dtype, device="meta", requires_grad=True
+        s.micro_batch_size, s.seq_len, s.vocab_size, dtype=dtype, device="meta", requires_grad=True
     )
     return inputs, (logits,), None
+
+
+def tracked_stage(
+    part: nn.Module,
+    stage: int,
+    device: torch.device,
+    group: Any,
+    shapes: StageShapes,
+    tp_mesh: Any = None,
+    **kw: Any,
+) -> Any:
+    """This rank's stage ``stage`` of ``part`` as a tracked ``PipelineStage`` with static example shapes (``kw``:
+    more of its keywords, e.g. torchtitan's ``get_mesh``)."""
+    inputs, outputs, output_grads = stage_io(shapes, stage, tp_mesh)
+    kwargs: dict[str, Any] = {"input_args": inputs, "output_args": outputs, **kw}
+    if output_grads is not None:
+        kwargs["output_grads"] = output_grads
+        kwargs["input_grads"] = tuple(x.detach() for x in inputs)
+    return _stage_class()(part, stage, shapes.num_stages, device, group=group, **kwargs)
 
 
 def _stage_class() -> type:
@@ -242,18 +300,12 @@ class DecoderPipeline:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
         cls = get_schedule_class(self.cfg.parallel.pp_schedule)
-        stage_cls = _stage_class()
         tp_mesh = self._mesh["tp"] if self.cfg.parallel.tp > 1 else None
-        stages = []
-        for s, part in zip(self.stage_ids, self._parts(model), strict=True):
-            inputs, outputs, output_grads = stage_io_examples(self.cfg, s, tp_mesh)
-            kwargs: dict[str, Any] = {"input_args": inputs, "output_args": outputs}
-            if output_grads is not None:
-                kwargs["output_grads"] = output_grads
-                kwargs["input_grads"] = tuple(x.detach() for x in inputs)
-            stages.append(
-                stage_cls(part, s, self.num_stages, device, group=self._mesh["pp"].get_group(), **kwargs)
-            )
+        shapes, group = StageShapes.of(self.cfg), self._mesh["pp"].get_group()
+        stages = [
+            tracked_stage(part, s, device, group, shapes, tp_mesh)
+            for s, part in zip(self.stage_ids, self._parts(model), strict=True)
+        ]
         n = self.cfg.training.num_micro_batches
         if issubclass(cls, PipelineScheduleSingle):
             return cls(stages[0], n_microbatches=n, loss_fn=self.loss_fn, scale_grads=True)
