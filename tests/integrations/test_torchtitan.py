@@ -23,6 +23,17 @@ from hyperdryrun.integrations.torchtitan import TorchtitanError, simulate_torcht
 REPO = Path(__file__).resolve().parents[2]
 FSDP8 = ["--parallelism.data_parallel_shard_degree", "8"]
 DEBUGMODEL = ["--module", "llama3", "--config", "llama3_debugmodel", *FSDP8]
+PP2 = [  # torchtitan's debugmodel has 8 rows a batch: 8 pipeline micro batches of 1 row
+    "--module",
+    "llama3",
+    "--config",
+    "llama3_debugmodel",
+    "--parallelism.data_parallel_shard_degree",
+    "4",
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--training.disable_cuda_graphs",
+]
 FP32, STEP_SCALAR = 4, 512  # fused AdamW keeps state["step"] on the device: one 4-byte tensor, a 512 B block
 
 
@@ -105,13 +116,61 @@ def test_torchtitans_globals_are_restored(debugmodel):
     assert logging.getLogger().level == logging.WARNING
 
 
+def pipeline_globals() -> dict:
+    """What a pipeline-parallel torchtitan job touches: the process group, torchtitan's stage class, torch's
+    warm-up vote and every schedule's step."""
+    import torch.distributed as dist
+    import torchtitan.distributed.pipeline_parallel as titan_pp
+    from torch.distributed.pipelining import schedules
+
+    classes = [
+        c
+        for c in vars(schedules).values()
+        if isinstance(c, type) and issubclass(c, schedules._PipelineSchedule)
+    ]
+    return {
+        "pg": dist.is_initialized(),
+        "stage": titan_pp.PipelineStage,
+        "vote": schedules._PipelineSchedule.__dict__["_warmup_p2p"],
+        "steps": {c.__name__: c.__dict__.get("step") for c in classes},
+        "root_level": logging.getLogger().level,
+    }
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_pipeline_job_leaves_the_world_as_found(fails, monkeypatch):
+    """torchtitan's debugmodel with its Interleaved1F1B schedule (2 stages a rank), pp 2 x FSDP 4, rank 0."""
+    before = pipeline_globals()
+    if fails:
+        from torchtitan.trainer import Trainer
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("boom inside the pipeline step")
+
+        monkeypatch.setattr(Trainer, "post_dataloading_process", boom)
+        with pytest.raises(hyperdryrun.SimulationError, match="boom inside the pipeline step"):
+            simulate_torchtitan([*PP2, "--training.seq_len", "256"], world_size=8, n_layers=2)
+    else:
+        trace = simulate_torchtitan([*PP2, "--training.seq_len", "256"], world_size=8, n_layers=2)
+        pipeline = trace.metadata["pipeline"]
+        assert pipeline["schedule"] == "Interleaved1F1B" and pipeline["stage_indices"] == [0, 2]
+        assert pipeline["num_micro_batches"] == 8 and trace.metadata["num_micro_batches"] == 8
+        assert any("arg_mbs=" in line for line in trace.limitations)
+    assert pipeline_globals() == before
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (
-            [*DEBUGMODEL, "--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"],
-            "parallelism.pipeline_parallel_degree (--parallelism.pipeline_parallel_degree): pipeline-parallel "
-            "torchtitan jobs are not supported by the dry run yet (got 2)",
+            [*PP2, "--parallelism.tensor_parallel_degree", "2"],
+            "parallelism.tensor_parallel_degree (--parallelism.tensor_parallel_degree): TP is not run with pipeline "
+            "parallel in the dry run (got 2)",
+        ),
+        (
+            [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+            "activation_checkpoint (activation-checkpoint:selective): torch's selective activation checkpointing "
+            "allows one backward per region and ZBVZeroBubble runs two (inputs, then weights)",
         ),
         (
             [*DEBUGMODEL, "--parallelism.spmd_backend", "spmd_types"],
@@ -131,7 +190,7 @@ def test_torchtitans_globals_are_restored(debugmodel):
 )
 def test_bad_input_is_one_line_naming_the_field(argv, message):
     with pytest.raises(TorchtitanError) as info:
-        simulate_torchtitan(argv, world_size=8 if "2047" not in argv else 16)
+        simulate_torchtitan(argv, world_size=16 if "--parallelism.tensor_parallel_degree" in argv else 8)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 

@@ -4,7 +4,8 @@ container, loss and train step for rank ``r`` of ``N``, on fake tensors (tested:
 What runs is torchtitan's own code: ``ConfigManager`` parses ``--module``/``--config`` and the overrides as
 ``torchtitan.train`` does; the model is built from the model spec on meta; ``ParallelDims`` builds torchtitan's
 meshes over the simulated world; the spec's ``parallelize_fn`` applies TP, activation checkpointing, compile and
-FSDP; the ``OptimizersContainer``, ``LRSchedulersContainer`` and loss (``ChunkedLossWrapper`` included) are built
+FSDP (under pipeline parallel, its ``pipelining_fn`` cuts rank ``r``'s stages, parallelizes each and builds the
+schedule, whose stages get static shapes as the built-in recipe's do); the ``OptimizersContainer``, ``LRSchedulersContainer`` and loss (``ChunkedLossWrapper`` included) are built
 from the config; the step is ``Trainer.train_step`` itself, run on a trainer holding those parts. What does not run:
 the data loader (micro batches of the configured shape are made on the device), the tokenizer, the checkpointer,
 metrics, validation and profiling.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import logging
 import math
@@ -32,6 +34,9 @@ from hyperdryrun.patches import Patch, PatchSet
 
 TESTED_VERSION = "0.3.0"
 """The torchtitan release this integration is tested with (the ``hyperdryrun[torchtitan]`` extra pins it)."""
+
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""torch.distributed.pipelining schedules that run a stage's backward in two parts (input gradients, then weights)."""
 
 SPMD_BACKEND_FLAGS = ("--parallelism.spmd_backend", "--parallelism.spmd-backend")
 
@@ -230,6 +235,12 @@ class TorchtitanJob:
     loss_fn: Any = None
     lr_schedulers: Any = None
     gradient_accumulation_steps: int = 1
+    pp_microbatches: int = 1
+    """Micro batches of the pipeline schedule (torchtitan's ``num_pipeline_parallel_microbatches``; 1 without pp)."""
+    model_parts: list[nn.Module] = dataclasses.field(default_factory=list)
+    pp_schedule: Any = None
+    pp_has_first_stage: bool = True
+    pp_has_last_stage: bool = True
 
     # ------------------------------------------------------------------ config
     def prepare(self) -> None:
@@ -238,11 +249,6 @@ class TorchtitanJob:
         from torchtitan.distributed import ParallelDims
 
         p, t = config.parallelism, config.training
-        if p.pipeline_parallel_degree > 1:
-            raise TorchtitanError(
-                "parallelism.pipeline_parallel_degree (--parallelism.pipeline_parallel_degree): pipeline-parallel "
-                f"torchtitan jobs are not supported by the dry run yet (got {p.pipeline_parallel_degree})"
-            )
         if t.enable_cpu_offload:
             raise TorchtitanError(
                 "training.enable_cpu_offload (--training.enable_cpu_offload): FSDP CPU offload is not supported by "
@@ -290,6 +296,10 @@ class TorchtitanJob:
                 f"size x data-parallel degree = {t.local_batch_size} x {batch_degree} (got {global_batch})"
             )
         self.gradient_accumulation_steps = global_batch // (t.local_batch_size * batch_degree)
+        if dims.pp_enabled:
+            self._check_pipeline(dims)
+            self._pipeline_limitations()
+            self.pp_microbatches = t.local_batch_size // p.pipeline_parallel_microbatch_size
 
         model_config = config.model_spec.model
         model_config.update_from_config(config=config)
@@ -325,6 +335,60 @@ class TorchtitanJob:
             "labels made on the device"
         )
         self._fill_metadata(dims, layers)
+
+    def _check_pipeline(self, dims: Any) -> None:
+        """What the dry run runs of torchtitan's pipelining: its ``pipelining_fn`` with a schedule of
+        torch.distributed.pipelining, alone or with FSDP/HSDP; the rest is one line naming the field."""
+        from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+        from hyperdryrun.parallel.dims import PIPELINE_SCHEDULES
+
+        p = self.config.parallelism
+        refused = [
+            (self.real, "--parallelism.pipeline_parallel_degree", "measure runs no pipeline-parallel job"),
+            (dims.tp > 1, "--parallelism.tensor_parallel_degree", "TP is not run with pipeline parallel"),
+            (dims.cp > 1, "--parallelism.context_parallel_degree", "CP is not run with pipeline parallel"),
+            (dims.ep > 1, "--parallelism.expert_parallel_degree", "EP is not run with pipeline parallel"),
+            (
+                bool(p.pipeline_parallel_schedule_csv),
+                "--parallelism.pipeline_parallel_schedule_csv",
+                "not run",
+            ),
+            (
+                p.pipeline_parallel_schedule not in PIPELINE_SCHEDULES,
+                "--parallelism.pipeline_parallel_schedule",
+                f"must be one of {', '.join(PIPELINE_SCHEDULES)}",
+            ),
+        ]
+        split = p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
+        if split and isinstance(self.config.activation_checkpoint, SelectiveAC.Config):
+            raise TorchtitanError(
+                "activation_checkpoint (activation-checkpoint:selective): torch's selective activation checkpointing "
+                f"allows one backward per region and {p.pipeline_parallel_schedule} runs two (inputs, then weights), "
+                "so the job fails also on GPUs; use activation-checkpoint:full or none (got SelectiveAC)"
+            )
+        for bad, flag, why in refused:
+            if bad:
+                field = flag.removeprefix("--")
+                value = getattr(p, field.split(".")[1], dims.pp)
+                raise TorchtitanError(f"{field} ({flag}): {why} in the dry run (got {value!r})")
+
+    def _pipeline_limitations(self) -> None:
+        """What the pipeline step differs in from a run of torchtitan 0.3.0 on this torch (stated in the report)."""
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        self.limitations.append(
+            "pipeline: only this rank's stages were run; point-to-point sends and receives complete at once on the "
+            "fake process group, so a send buffer is freed when the schedule drops it (on CUDA, NCCL's stream may "
+            "hold it a little longer)"
+        )
+        cls = get_schedule_class(self.config.parallelism.pipeline_parallel_schedule)
+        if not _takes_micro_batches(cls):
+            self.limitations.append(
+                f"torchtitan {TESTED_VERSION}'s pipeline train step calls the schedule's step with pre-split micro "
+                f"batches (arg_mbs=, kwarg_mbs=, target_mbs=), which torch {torch.__version__} lacks, so the job fails "
+                "on this torch also on GPUs: the dry run gave them to the schedule's _step_microbatches as they are"
+            )
 
     def _use_attention(self, model_config: Any) -> None:
         """Every layer's inner attention as ``--attention`` asks (only ``sdpa``: torchtitan's maskless
@@ -365,6 +429,7 @@ class TorchtitanJob:
         ac_mode = "none" if ac is None else type(ac).__qualname__.removesuffix(".Config")
         from hyperdryrun.version import __version__ as hyperdryrun_version
 
+        batch = self._micro_batch_size()
         self.metadata.update(
             {
                 "model": f"torchtitan {spec.name} {spec.flavor}",
@@ -408,16 +473,34 @@ class TorchtitanJob:
                     "param_dtype": t.mixed_precision_param,
                     "reduce_dtype": t.mixed_precision_reduce,
                 },
-                "batch_shapes": {
-                    name: [t.local_batch_size, t.seq_len] for name in ("tokens", "positions", "labels")
-                },
-                "tokens_per_micro_batch": t.local_batch_size * t.seq_len,
+                "batch_shapes": {name: [batch, t.seq_len] for name in ("tokens", "positions", "labels")},
+                "tokens_per_micro_batch": batch * t.seq_len,
                 "tokens_per_step": t.local_batch_size * t.seq_len * self.gradient_accumulation_steps,
                 "seq_len": t.seq_len,
-                "micro_batch_size": t.local_batch_size,
+                "micro_batch_size": batch,
                 "activation_checkpointing": {"mode": ac_mode},
+                "pipeline": self._pipeline_metadata(dims),
             }
         )
+
+    def _micro_batch_size(self) -> int:
+        """Rows of one micro batch: torchtitan's data loader yields pipeline micro batches under pp."""
+        p = self.config.parallelism
+        return (
+            p.pipeline_parallel_microbatch_size
+            if p.pipeline_parallel_degree > 1
+            else self.config.training.local_batch_size
+        )
+
+    def _pipeline_metadata(self, dims: Any) -> dict[str, Any] | None:
+        """This rank's place in the pipeline; the stages are filled in when torchtitan's pipelining_fn has run."""
+        if not dims.pp_enabled:
+            return None
+        return {
+            "schedule": self.config.parallelism.pipeline_parallel_schedule,
+            "num_micro_batches": self.pp_microbatches,
+            "fsdp_reshard_after_forward": self.config.parallelism.fsdp_reshard_after_forward,
+        }
 
     # ------------------------------------------------------------------ what simulate calls
     def build_model(self) -> nn.Module:
@@ -434,13 +517,17 @@ class TorchtitanJob:
         return model
 
     def parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
-        """torchtitan's ParallelDims over the simulated world, then the model spec's parallelize function."""
+        """torchtitan's ParallelDims over the simulated world, its loss, then the model spec's parallelize function
+        (under pp: its pipelining function, which cuts this rank's stages and parallelizes each)."""
         from torchtitan.distributed import ParallelDims
         from torchtitan.distributed import utils as dist_utils
 
         config = self.config
         self.parallel_dims = dims = ParallelDims.from_config(config.parallelism, self.world_size)
         dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
+        self.loss_fn = config.loss.build(compile_config=config.compile)
+        if dims.pp_enabled:
+            return self._pipeline(model)
         model = config.model_spec.parallelize_fn(
             model,
             parallel_dims=dims,
@@ -451,23 +538,100 @@ class TorchtitanJob:
             dump_folder=config.dump_folder,
         )
         self.model = model
+        self.model_parts = [model]
         return model
+
+    def _pipeline(self, model: nn.Module) -> nn.Module:
+        """torchtitan's ``pipelining_fn`` as its Trainer calls it; this rank's stage(s) are the model tracked."""
+        from hyperdryrun.parallel.pipeline import PipelineStages
+
+        config = self.config
+        with PatchSet([self._stage_patch()]):
+            schedule, parts, first, last = config.model_spec.pipelining_fn(
+                model,
+                parallel_dims=self.parallel_dims,
+                training=config.training,
+                parallelism=config.parallelism,
+                compile_config=config.compile,
+                ac_config=config.activation_checkpoint,
+                dump_folder=config.dump_folder,
+                device=self._device(),
+                model_config=config.model_spec.model,
+                parallelize_fn=config.model_spec.parallelize_fn,
+                loss_fn=self.loss_fn,
+            )
+        self.pp_schedule, self.model_parts = schedule, list(parts)
+        self.pp_has_first_stage, self.pp_has_last_stage = first, last
+        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+        ids = [stage.stage_index for stage in stages]
+        self.metadata["pipeline"].update(
+            {
+                "pp_rank": self.parallel_dims.get_mesh("pp").get_local_rank(),
+                "num_stages": stages[0].num_stages,
+                "stage_indices": ids,
+                "has_embedding": first,
+                "has_head": last,
+            }
+        )
+        self.model = (
+            parts[0] if len(parts) == 1 else PipelineStages({f"stage{i}": m for i, m in zip(ids, parts)})
+        )
+        return self.model
+
+    def _device(self) -> torch.device:
+        """The stages' device: torchtitan's Trainer device, its device type as the simulated world has it."""
+        from torchtitan.tools import utils
+
+        return torch.device(utils.device_type)
+
+    def _stage_patch(self) -> Patch:
+        """torchtitan's pipeline split builds each ``PipelineStage`` with no example shapes; the built-in recipe's
+        tracked stage with static shapes stands in for it."""
+        import torchtitan.distributed.pipeline_parallel as titan_pp
+        from torchtitan.components.loss import ChunkedLossWrapper
+        from torchtitan.config import TORCH_DTYPE_MAP
+
+        from hyperdryrun.parallel.pipeline import StageShapes, tracked_stage
+
+        config, model_config = self.config, self.config.model_spec.model
+        t = config.training
+        # with the chunked loss, the last stage returns the normed hidden states (its loss runs the head)
+        head = not isinstance(self.loss_fn, ChunkedLossWrapper)
+
+        def stage(part: nn.Module, index: int, num_stages: int, device: torch.device, **kw: Any) -> Any:
+            mb = config.parallelism.pipeline_parallel_microbatch_size
+            dtype = TORCH_DTYPE_MAP[t.mixed_precision_param]  # torchtitan always installs FSDP2's policy
+            shapes = StageShapes(
+                mb, t.seq_len, model_config.dim, model_config.vocab_size, dtype, num_stages, head=head
+            )
+            built = tracked_stage(part, index, device, kw.pop("group"), shapes, **kw)
+            built._runtime_validate = True  # a wrong static shape is an error, not a wrong peak
+            return built
+
+        return Patch(
+            titan_pp,
+            "PipelineStage",
+            stage,
+            "torchtitan 0.3.0 builds PipelineStage without example shapes, so torch 2.13 infers them at the first "
+            "step by running each stage and exchanging the metadata over p2p with the neighbouring ranks, which one "
+            "process on a fake process group cannot do",
+        )
 
     def build_optimizers(self, params: list[nn.Parameter]) -> Any:
         """After ``to_empty``: torchtitan's buffer initialisation, loss, optimizer and LR-scheduler containers."""
         from torchtitan.components.loss import ChunkedLossWrapper
 
-        config, model = self.config, self.model
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        model.train()
-        self.loss_fn = config.loss.build(compile_config=config.compile)
-        if isinstance(self.loss_fn, ChunkedLossWrapper):
-            self.loss_fn.set_lm_head(model.lm_head)
-            model._skip_lm_head = True
-        optimizers = config.optimizer.build(model_parts=[model])
+        config, parts = self.config, self.model_parts
+        for part in parts:
+            with torch.no_grad():
+                part.init_weights(buffer_device=None)
+            part.train()
+        if isinstance(self.loss_fn, ChunkedLossWrapper) and self.pp_has_last_stage:
+            self.loss_fn.set_lm_head(parts[-1].lm_head)
+            parts[-1]._skip_lm_head = True
+        optimizers = config.optimizer.build(model_parts=parts)
         if config.model_spec.post_optimizer_build_fn is not None:
-            config.model_spec.post_optimizer_build_fn(optimizers, [model], self.parallel_dims)
+            config.model_spec.post_optimizer_build_fn(optimizers, parts, self.parallel_dims)
         self.lr_schedulers = config.lr_scheduler.build(
             optimizers=optimizers, training_steps=config.training.steps
         )
@@ -490,9 +654,9 @@ class TorchtitanJob:
         """Micro batch ``i`` as torchtitan's text data loader yields it: input tokens, positions, labels."""
         t = self.config.training
         vocab = self.config.model_spec.model.vocab_size
-        shape = (t.local_batch_size, t.seq_len)
+        shape = (self._micro_batch_size(), t.seq_len)
         tokens = torch.randint(0, vocab, shape, device=device)
-        positions = torch.arange(t.seq_len, device=device).repeat(t.local_batch_size, 1)
+        positions = torch.arange(t.seq_len, device=device).repeat(shape[0], 1)
         labels = torch.randint(0, vocab, shape, device=device)
         return {"input": tokens, "positions": positions}, labels
 
@@ -502,6 +666,7 @@ class TorchtitanJob:
         from torchtitan.distributed.cudagraph import wrap_with_cuda_graph
         from torchtitan.trainer import Trainer
 
+        from hyperdryrun.parallel.pipeline import static_vote_patch
         from hyperdryrun.world.values import ValueRule, ValueRules, use_rules
 
         config, t = self.config, self.config.training
@@ -509,7 +674,7 @@ class TorchtitanJob:
         trainer.config = config
         trainer.parallel_dims = self.parallel_dims
         trainer.model_config = config.model_spec.model
-        trainer.model_parts = [model]
+        trainer.model_parts = self.model_parts
         trainer.loss_fn = self.loss_fn
         trainer.optimizers = optimizers
         trainer.lr_schedulers = self.lr_schedulers
@@ -517,7 +682,12 @@ class TorchtitanJob:
         trainer.checkpointer = _NoCheckpointer()
         trainer.device = next(model.parameters()).device
         trainer.gradient_accumulation_steps = self.gradient_accumulation_steps
-        trainer.num_pipeline_parallel_microbatches = 1
+        trainer.num_pipeline_parallel_microbatches = self.pp_microbatches
+        trainer.pp_schedule = self.pp_schedule
+        trainer.pp_has_first_stage, trainer.pp_has_last_stage = (
+            self.pp_has_first_stage,
+            self.pp_has_last_stage,
+        )
         trainer.step, trainer.ntokens_seen = 1, 0
         trainer.train_context = dist_utils.get_spmd_context(
             parallel_dims=self.parallel_dims,
@@ -531,7 +701,14 @@ class TorchtitanJob:
         rules = ValueRules(
             [ValueRule(module="", op="aten._local_scalar_dense.default", handler="value", value=tokens)]
         )
-        with contextlib.nullcontext() if self.real else use_rules(rules, root=model):
+        with (
+            contextlib.nullcontext() if self.real else use_rules(rules, root=model),
+            PatchSet(
+                []
+                if self.pp_schedule is None
+                else [static_vote_patch(), *_micro_batch_step_patch(self.pp_schedule)]
+            ),
+        ):
             Trainer.train_step(trainer, batches)
 
     def plan(self) -> Any:
@@ -553,9 +730,59 @@ class TorchtitanJob:
             mesh_shape=(self.world_size,),
             mesh_dim_names=("world",),
             target_device=self.target_device,
-            num_micro_batches=self.gradient_accumulation_steps,
+            num_micro_batches=self.gradient_accumulation_steps * self.pp_microbatches,
             metadata=self.metadata,
         )
+
+
+def _takes_micro_batches(cls: type) -> bool:
+    """Whether this torch's schedule ``cls.step`` takes pre-split micro batches (``arg_mbs=``, as torchtitan 0.3.0 calls
+    it); torch 2.13.0's splits one whole batch and takes other keywords as the model's."""
+    return "arg_mbs" in inspect.signature(cls.step).parameters
+
+
+def _micro_batch_step_patch(schedule: Any) -> list[Patch]:
+    """torchtitan 0.3.0's pipeline train step on torch 2.13: ``step(arg_mbs=, kwarg_mbs=, target_mbs=)`` runs 2.13's
+    own ``step`` without its split, the micro batches going to its ``_step_microbatches`` as given."""
+    cls = type(schedule)
+    if _takes_micro_batches(cls):
+        return []
+    original = cls.step
+
+    def step(
+        self: Any, *args: Any, arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None, **kw: Any
+    ) -> Any:
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return original(self, *args, **kw)
+        losses, return_outputs = kw.pop("losses", None), kw.pop("return_outputs", True)
+        loss_kwargs = kw.pop("loss_kwargs", None)
+        if args or kw:
+            raise TypeError(
+                f"a pipeline step with micro batches takes no whole-batch inputs (got {len(args)}, {sorted(kw)})"
+            )
+        stages = getattr(self, "_stages", None) or [self._stage]
+        for stage in stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(
+            arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+        )
+        return (
+            None
+            if not return_outputs
+            else next((self._merge_outputs(s.output_chunks) for s in stages if s.is_last), None)
+        )
+
+    return [
+        Patch(
+            cls,
+            "step",
+            step,
+            f"torchtitan 0.3.0 calls {cls.__name__}.step(arg_mbs=, kwarg_mbs=, target_mbs=) with pre-split micro "
+            f"batches, which torch {torch.__version__} lacks: its step splits one whole batch and passes the other "
+            "keywords to the model (ValueError: Expecting n arg_mbs but got 1)",
+        )
+    ]
 
 
 def _initialised_later(model: nn.Module) -> None:
