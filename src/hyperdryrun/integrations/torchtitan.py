@@ -5,10 +5,11 @@ What runs is torchtitan's own code: ``ConfigManager`` parses ``--module``/``--co
 ``torchtitan.train`` does; the model is built from the model spec on meta; ``ParallelDims`` builds torchtitan's
 meshes over the simulated world; the spec's ``parallelize_fn`` applies TP, activation checkpointing, compile and
 FSDP (under pipeline parallel, its ``pipelining_fn`` cuts rank ``r``'s stages, parallelizes each and builds the
-schedule, whose stages get static shapes as the built-in recipe's do); the ``OptimizersContainer``, ``LRSchedulersContainer`` and loss (``ChunkedLossWrapper`` included) are built
-from the config; the step is ``Trainer.train_step`` itself, run on a trainer holding those parts. What does not run:
-the data loader (micro batches of the configured shape are made on the device), the tokenizer, the checkpointer,
-metrics, validation and profiling.
+schedule, whose stages get static shapes as the built-in recipe's do); the ``OptimizersContainer``,
+``LRSchedulersContainer`` and loss (``ChunkedLossWrapper`` included) are built from the config; the step is
+``Trainer.train_step`` itself, run on a trainer holding those parts. What does not run: the data loader (micro
+batches of the configured shape are made on the device), the tokenizer, the checkpointer, metrics, validation and
+profiling.
 
 >>> trace = simulate_torchtitan(
 ...     ["--module", "llama3", "--config", "llama3_8b", "--parallelism.data_parallel_shard_degree", "8"],
