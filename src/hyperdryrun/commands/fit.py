@@ -474,9 +474,9 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
         for i, r in enumerate(ranked, 1):
             lay, w = r.candidate.layout, r.worst
             head = job.capacity_bytes - verdict_bytes(w.figures, r.basis)
-            methods = sorted(set(r.methods))
-            confirmed = sum(c.confirmed for c in r.classes)
-            cached = (f" ({confirmed} confirmed)" if confirmed else "") + (" (cached)" if r.cached else "")
+            # "confirmed": extrapolated, then run in full for the device figure
+            methods = sorted({"confirmed" if c.confirmed else c.figures.method for c in r.simulated_classes})
+            cached = " (cached)" if r.cached else ""
             t.add_row(
                 str(i), lay.label(), f"{lay.micro_batch_size} x {lay.num_micro_batches}", lay.ac,
                 _seconds(r.time.total), f"{r.time.tokens_per_s_per_gpu:,.0f}", _gib(r.peak("peak_bytes")),
