@@ -529,18 +529,22 @@ class TorchtitanJob:
         self.loss_fn = config.loss.build(compile_config=config.compile)
         if dims.pp_enabled:
             return self._pipeline(model)
-        model = config.model_spec.parallelize_fn(
-            model,
-            parallel_dims=dims,
-            training=config.training,
-            parallelism=config.parallelism,
-            compile_config=config.compile,
-            ac_config=config.activation_checkpoint,
-            dump_folder=config.dump_folder,
-        )
+        model = config.model_spec.parallelize_fn(model, **self._spec_keywords())
         self.model = model
         self.model_parts = [model]
         return model
+
+    def _spec_keywords(self) -> dict[str, Any]:
+        """What torchtitan's Trainer passes to both the model spec's parallelize and pipelining functions."""
+        config = self.config
+        return {
+            "parallel_dims": self.parallel_dims,
+            "training": config.training,
+            "parallelism": config.parallelism,
+            "compile_config": config.compile,
+            "ac_config": config.activation_checkpoint,
+            "dump_folder": config.dump_folder,
+        }
 
     def _pipeline(self, model: nn.Module) -> nn.Module:
         """torchtitan's ``pipelining_fn`` as its Trainer calls it; this rank's stage(s) are the model tracked."""
@@ -550,12 +554,7 @@ class TorchtitanJob:
         with PatchSet([self._stage_patch()]):
             schedule, parts, first, last = config.model_spec.pipelining_fn(
                 model,
-                parallel_dims=self.parallel_dims,
-                training=config.training,
-                parallelism=config.parallelism,
-                compile_config=config.compile,
-                ac_config=config.activation_checkpoint,
-                dump_folder=config.dump_folder,
+                **self._spec_keywords(),
                 device=self._device(),
                 model_config=config.model_spec.model,
                 parallelize_fn=config.model_spec.parallelize_fn,
