@@ -138,3 +138,19 @@ def test_every_breakdown_adds_up_to_its_reserved_peak(capacity):
     dm = run(capacity=capacity)
     assert sum(r["bytes"] for r in dm.breakdown()) == dm.peak_reserved
     assert sum(seg.size for seg in dm.segments) == dm.peak_reserved
+
+
+def test_every_workspace_is_allocated_before_a_steady_state_step_so_an_early_peak_holds_them_all():
+    # The traced step is step 2 on: each cuBLAS handle's workspace (the forward thread's, at its first matmul, and
+    # the autograd thread's, at the first backward matmul) was made in step 1 and kept. A peak at task 1, before
+    # the autograd thread's first matmul of the step (task 5), holds both: 6 MiB of tensors + 2 x 1 MiB. (On an
+    # H200 the README's first command peaks in the loss backward, before that matmul, and max_memory_allocated
+    # counted both 32 MiB workspaces: ../shared/gpu, p1.)
+    blocks = [
+        block(0, 4 * MIB, 0, PERSISTENT_END, 0, Phase.INITIALIZATION),
+        block(1, 2 * MIB, 1, 2, 0),
+        block(2, 512, 6, PERSISTENT_END, 0),
+    ]
+    ws = [Workspace("main", 0, 0, MIB), Workspace("autograd", 0, 5, MIB)]
+    dm = device_memory(blocks, 6 * MIB, ws, [], AllocatorOptions())
+    assert dm.peak_allocated == 6 * MIB + 2 * MIB

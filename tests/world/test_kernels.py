@@ -203,3 +203,74 @@ def test_fake_cuda_is_only_simulated_where_a_gpu_is_usable(monkeypatch):
     assert default_simulation_device() == "cuda"
     assert not needs_target_kernels("cuda", "cuda")
     assert [p.name for p in target_kernel_patches("cuda", "cuda")] == ["_foreach_supported_types"]
+
+
+# ---------------------------------------------------------------------------------------------- DTensor inputs
+def _saved_locals(fn):
+    """Run ``fn`` and return (shape, dtype, bytes) of the local tensor of everything autograd saves, once per
+    storage."""
+    from torch.distributed.tensor import DTensor
+
+    saved, seen = [], set()
+
+    def pack(t):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        st = local.untyped_storage()
+        if id(st) not in seen:
+            seen.add(id(st))
+            saved.append((tuple(local.shape), local.dtype, st.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+def test_a_sequence_parallel_rms_norm_runs_the_fused_cuda_kernel_on_its_local_shard():
+    # TP 2 with sequence parallel: the norm's input is a DTensor sharded on the sequence. On a GPU the DTensor's
+    # device type is cuda, so aten::rms_norm calls _fused_rms_norm (layer_norm.cpp, rms_norm_symint) and DTensor
+    # runs it on the local shard: autograd saves the local input (2, 24, 64) bf16, the replicated weight (64) bf16
+    # and rstd, fp32, one per row (2, 24, 1) -- no fp32 copy of the input (the CPU composite's x.float(), pow, mul).
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    with SimulatedWorld(world_size=2, target_device="cuda", simulation_device="cpu") as world, world.fake():
+        norm = parallelize_module(
+            torch.nn.RMSNorm(64, dtype=torch.bfloat16), world.mesh, SequenceParallel(sequence_dim=1)
+        )
+        x = torch.randn(2, 24, 64, dtype=torch.bfloat16, requires_grad=True)  # the local shard of (2, 48, 64)
+        out, saved = _saved_locals(lambda: norm(x))
+        assert out.placements == (Shard(1),)
+        assert sorted(saved, key=str) == sorted(
+            [
+                ((2, 24, 64), torch.bfloat16, 2 * 24 * 64 * 2),
+                ((64,), torch.bfloat16, 64 * 2),
+                ((2, 24, 1), torch.float32, 2 * 24 * 4),
+            ],
+            key=str,
+        )
+        assert type(out.grad_fn).__name__ == "_FusedRMSNormBackward"  # one fused backward
+
+
+def test_a_tensor_and_sequence_parallel_block_saves_no_fp32_copy_of_its_norm_inputs():
+    # The Llama block under TP 2 + SP (the plan of the built-in recipe and torchtitan), B=2, S=48, D=64: both
+    # norms run the fused kernel on the local (2, 24, 64) shard, each saving one fp32 rstd per local row
+    # (2 x 24 x 4 B), and nothing in the block saves an fp32 tensor of the hidden size (on the CPU composite each
+    # norm saved fp32 copies of its input: the 192 MiB per layer that an H200 did not hold, ../shared/gpu p3, p6).
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from hyperdryrun.audit.layers import _module
+    from hyperdryrun.models.llama import PRESETS, TransformerBlock
+    from hyperdryrun.parallel.tp import block_tp_plan
+
+    args = PRESETS["llama-tiny"]
+    with SimulatedWorld(world_size=2, target_device="cuda", simulation_device="cpu") as world, world.fake():
+        block = _module(lambda: TransformerBlock(args, 48), torch.device("cpu"), torch.bfloat16)
+        parallelize_module(block, world.mesh, block_tp_plan(block, Shard(1)))
+        x = torch.randn(2, 24, 64, dtype=torch.bfloat16, requires_grad=True)
+        _, saved = _saved_locals(lambda: block(x, None))
+    fp32_input_sized = [s for s in saved if s[1] == torch.float32 and s[0][-1] == 64]
+    assert fp32_input_sized == []
+    rstd = [s for s in saved if s[0] == (2, 24, 1)]
+    assert rstd == [((2, 24, 1), torch.float32, 192)] * 2

@@ -34,7 +34,8 @@ PENDING = "freed, waiting for other streams"
 
 @dataclass(frozen=True)
 class Workspace:
-    """A runtime allocation through the caching allocator, made at ``task`` on ``stream`` and kept."""
+    """A runtime allocation through the caching allocator on ``stream``, kept: ``task`` is its thread's first
+    matmul of the step; in the steady state it is already allocated when the step starts (:func:`workspace_blocks`)."""
 
     label: str
     stream: int
@@ -188,15 +189,19 @@ _CAUSE_ORDER = {TENSORS: 0, UNSPLIT: 1, WORKSPACES: 2, CACHED: 3, PENDING: 4}
 
 
 def workspace_blocks(workspaces: Iterable[Workspace], first_id: int) -> list[Block]:
-    """Blocks for ``workspaces`` (ids from ``first_id``): allocated after the allocations of their task, kept."""
+    """Blocks for ``workspaces`` (ids from ``first_id``), alive before the step and kept: the traced step is a steady
+    state (step 2 on), and a handle's workspace, made at its thread's first matmul of step 1, is kept with the
+    handle, so every workspace is already allocated when the step starts (after the tensors kept from step 1). An
+    H200 showed it: the peak of the README's first command, in the loss backward before the autograd thread's first
+    matmul of the step, holds both workspaces (../shared/gpu, p1)."""
     return [
         Block(
             id=first_id + i,
             size=w.size,
             requested=w.size,
-            start=w.task,
+            start=0,
             op=w.label,
-            phase=Phase.FORWARD,
+            phase=Phase.INITIALIZATION,
             module="",
             stack_id=0,
             stream=w.stream,

@@ -133,7 +133,8 @@ DIFFERENCES: list[KernelDifference] = [
         "F.rms_norm",
         "_fused_rms_norm is the composite on CPU: pow/mean/rsqrt/mul, saving three fp32 input-sized tensors",
         "_fused_rms_norm CUDA kernel: saves input and rstd (fp32, one per row); one _fused_rms_norm_backward",
-        "F.rms_norm calls _fused_rms_norm below autograd with the CUDA derivative formula",
+        "F.rms_norm calls _fused_rms_norm below autograd with the CUDA derivative formula, also for DTensor inputs "
+        "(TP/SP: on a GPU the DTensor's device type picks the fused kernel, which DTensor runs on the local shard)",
         ("rms_norm",),
         ("rms_norm_functional_fp32", "rms_norm_functional_bf16"),
     ),

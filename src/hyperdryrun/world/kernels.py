@@ -81,9 +81,17 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 
 def _plain(*tensors) -> bool:
+    """Whether every tensor is a plain (fake) tensor, or a DTensor whose local shard is one: the CUDA kernel rules
+    hold for a DTensor's local tensors as for plain ones (on a GPU the DTensor's device type picks the kernel)."""
     from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
 
-    return all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter, FakeTensor) for t in tensors)
+    def plain(t) -> bool:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        return type(t) in (torch.Tensor, torch.nn.Parameter, FakeTensor)
+
+    return all(t is None or plain(t) for t in tensors)
 
 
 def cuda_rms_norm(input, normalized_shape, weight=None, eps=None):
