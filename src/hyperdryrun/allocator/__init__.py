@@ -5,6 +5,8 @@ A stage over blocks: ``events_from_blocks`` turns a trace's blocks (dry run or i
 capacity, and returns reserved bytes over time, the reserved peak with its segments, and the first OOM;
 ``device_memory`` adds the runtime's own allocations (cuBLAS workspaces) and what it holds outside the allocator
 (NCCL, the CUDA context): allocated, reserved and device bytes, and a verdict against a capacity.
+``snapshot_replay`` checks the model against the real allocator: a CUDA snapshot's own events replayed from the
+cache as recording began, compared address by address (``hyperdryrun compare --replay``).
 
 Source read (the pinned torch 2.13.0 is git cf30153, a commit the reference index does not hold): the rules come
 from the newest copy it holds, cyyever/pytorch (a fork at version 2.15.0a0):

@@ -2,7 +2,9 @@
 
 Each method names the C++ function of c10/cuda/CUDACachingAllocator.cpp it models (see ``hyperdryrun.allocator``
 for the commit read). Sizes are bytes; addresses are invented (segments get increasing, never reused virtual
-addresses, so ties in best fit fall to the older segment, as the C++ comparator's registration counter does).
+addresses) unless the caller gives the next segment's address (``next_segment_address``, what a replay of a
+recorded trace does); free blocks are ordered as ``BlockComparatorSize`` orders them, by (size, address), so ties in
+best fit fall to the lower address.
 
 Not modelled: CUDA graph private pools and mempools, IPC, ``mallocWithAddress``, free-memory callbacks, the
 cudaMallocAsync backend, and memory the driver or other processes hold (give ``capacity`` net of them).
@@ -169,12 +171,13 @@ class _Block:
 
 
 class _Pool:
-    """One stream's part of a ``BlockPool``: free mapped blocks by (size, segment age, address), unmapped by address."""
+    """One stream's part of a ``BlockPool``: free mapped blocks by (size, address) as ``BlockComparatorSize`` orders
+    them, unmapped ones by address."""
 
     __slots__ = ("free", "unmapped")
 
     def __init__(self) -> None:
-        self.free: list[tuple[int, int, int, _Block]] = []
+        self.free: list[tuple[int, int, _Block]] = []
         self.unmapped: list[tuple[int, _Block]] = []
 
 
@@ -223,6 +226,8 @@ class CachingAllocatorModel:
         self._next_counter = 0
         self._gc_active = self.allowed_maximum is not None and self.options.garbage_collection_threshold > 0.0
         self._plain_rounding = not any(self.options.roundup_power2_divisions)
+        self.next_segment_address: int | None = None
+        """Address the next new segment gets (then reset to None); None: an invented one above all others."""
 
     # ----------------------------------------------------------------- public
     def malloc(self, block: int, size: int, stream: int = 0, task: int = 0) -> None:
@@ -280,6 +285,54 @@ class CachingAllocatorModel:
             self._events.setdefault(s, deque()).append((done, b))
         self.pending += b.size
 
+    def add_segment(
+        self,
+        address: int,
+        size: int,
+        stream: int,
+        small: bool,
+        allocated: Iterable[tuple[int, int, int, int]] = (),
+    ) -> None:
+        """Seed a cached segment that existed before the events (a warm cache): ``allocated`` holds its allocated
+        blocks as (address, size, requested, block id); the gaps between them are free blocks of its pool."""
+        end = address + size
+        cursor, prev = address, None
+        seg = _Seg(address, size, stream, small, False, size, self._next_counter, self._pool(stream, small))
+        self._next_counter += 1
+        pieces: list[_Block] = []
+        for addr, bsize, requested, owner in sorted(allocated):
+            if addr < cursor or addr + bsize > end or bsize <= 0:
+                raise ValueError(
+                    f"block {owner}: [{addr}, {addr + bsize}) is not free inside segment {address}"
+                )
+            if owner in self._live:
+                raise ValueError(f"block {owner} is allocated twice")
+            if addr > cursor:
+                pieces.append(_Block(cursor, addr - cursor, seg))
+            b = _Block(addr, bsize, seg)
+            b.allocated, b.requested, b.owner = True, requested, owner
+            self._live[owner] = b
+            self.allocated += bsize
+            pieces.append(b)
+            cursor = addr + bsize
+        if cursor < end:
+            pieces.append(_Block(cursor, end - cursor, seg))
+        for b in pieces:
+            b.splice(prev, None)
+            prev = b
+        for b in pieces:
+            if not b.allocated:
+                self._insert_free(b)
+        self.reserved += size
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self._next_address = max(self._next_address, -(-end // K_ROUND_LARGE) * K_ROUND_LARGE)
+
+    def address_of(self, block: int) -> int | None:
+        """The address block ``block`` was given (None: not allocated, or zero bytes)."""
+        b = self._live.get(block)
+        return None if b is None else b.address
+
     def process_events(self, task: int) -> None:
         """``process_events``: blocks whose uses on other streams have completed by ``task`` return to their pool."""
         for stream in list(self._events):
@@ -307,7 +360,7 @@ class CachingAllocatorModel:
                 add(b)
         for pool in self._pools.values():
             for entry in pool.free:
-                add(entry[3])
+                add(entry[2])
             for _, b in pool.unmapped:
                 add(b)
         out = []
@@ -336,12 +389,12 @@ class CachingAllocatorModel:
         seg = b.seg
         b.owner = None
         b.gc_base = self._gc_calls[seg.small]
-        insort(seg.pool.free, (b.size, seg.counter, b.address, b))
+        insort(seg.pool.free, (b.size, b.address, b))
 
     def _remove_free(self, b: _Block) -> None:
         free = b.seg.pool.free
-        i = bisect_left(free, (b.size, b.seg.counter, b.address))
-        assert free[i][3] is b
+        i = bisect_left(free, (b.size, b.address))
+        assert free[i][2] is b
         del free[i]
 
     def _insert_unmapped(self, b: _Block) -> None:
@@ -355,9 +408,12 @@ class CachingAllocatorModel:
 
     def _new_segment(self, stream: int, small: bool, size: int, expandable: bool, page: int) -> _Seg:
         pool = self._pool(stream, small)
-        seg = _Seg(self._next_address, size, stream, small, expandable, page, self._next_counter, pool)
+        address, self.next_segment_address = self.next_segment_address, None
+        if address is None:
+            address = self._next_address
+            self._next_address += -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+        seg = _Seg(address, size, stream, small, expandable, page, self._next_counter, pool)
         self._next_counter += 1
-        self._next_address += -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
         return seg
 
     def _grow(self, nbytes: int) -> None:
@@ -370,7 +426,7 @@ class CachingAllocatorModel:
 
     # ----------------------------------------------------------------- malloc path
     def _get_free_block(self, stream: int, small: bool, size: int) -> _Block | None:
-        """``get_free_block``: best fit on this stream, by (size, segment age, address)."""
+        """``get_free_block``: best fit on this stream, by (size, address)."""
         opts = self.options
         if self._gc_active:
             self._gc_calls[small] += 1
@@ -381,11 +437,11 @@ class CachingAllocatorModel:
         i = bisect_left(free, (size,))
         if i == len(free):
             return None
-        b = free[i][3]
+        b = free[i][2]
         if b.seg.expandable:  # "best fit" counts the unmapped space a block can grow into
-            while i + 1 < len(free) and _expandable_size(free[i + 1][3]) < _expandable_size(free[i][3]):
+            while i + 1 < len(free) and _expandable_size(free[i + 1][2]) < _expandable_size(free[i][2]):
                 i += 1
-            b = free[i][3]
+            b = free[i][2]
         # An oversize block serves no request below max_split_size, and larger ones only within the rounding.
         max_split = opts.max_split_size
         if size < max_split:
@@ -445,7 +501,7 @@ class CachingAllocatorModel:
         calls = self._gc_calls[False]
 
         def large_blocks() -> list[_Block]:
-            return [e[3] for key in sorted(self._pools) if not key[1] for e in self._pools[key].free]
+            return [e[2] for key in sorted(self._pools) if not key[1] for e in self._pools[key].free]
 
         ages = [calls - b.gc_base for b in large_blocks() if not b.is_split]
         total_age, count = sum(ages), len(ages)
@@ -472,14 +528,14 @@ class CachingAllocatorModel:
         free = pool.free if pool is not None else []
         key = max(size, max_split)
         i = bisect_left(free, (key,))
-        if i < len(free) and not free[i][3].seg.expandable:
-            self._release_block(free[i][3])
+        if i < len(free) and not free[i][2].seg.expandable:
+            self._release_block(free[i][2])
             return True
         if i == 0:
             return False
         j, released = i - 1, 0
-        while released < key and free[j][3].size >= max_split:
-            cur, first = free[j][3], j == 0
+        while released < key and free[j][2].size >= max_split:
+            cur, first = free[j][2], j == 0
             if not first:
                 j -= 1
             if not cur.seg.expandable:
@@ -497,7 +553,7 @@ class CachingAllocatorModel:
             for key in sorted(k for k in self._pools if k[1] == small):
                 to_unmap = []
                 for entry in list(self._pools[key].free):
-                    b = entry[3]
+                    b = entry[2]
                     if b.seg.expandable:
                         to_unmap.append(b)
                     elif not b.is_split:

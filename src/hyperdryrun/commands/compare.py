@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+from hyperdryrun.allocator.snapshot_replay import DEFAULT_REPLAY_TOLERANCE
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
 from hyperdryrun.compare import DEFAULT_TOLERANCE, TOP_BLOCKS, Side, as_report, compare, print_comparison
 
@@ -21,15 +22,33 @@ def register(subparsers: Any) -> None:
         "|relative peak error| <= --tolerance, 1 otherwise, 2 on bad input, 3 on an internal error.",
     )
     p.add_argument(
-        "a", metavar="A", help="reference: report .json, block .csv, trace .json[.gz] or snapshot .pickle"
+        "a",
+        metavar="A",
+        nargs="?",
+        help="reference: report .json, block .csv, trace .json[.gz] or snapshot .pickle",
     )
-    p.add_argument("b", metavar="B", help="the other side, any of the same kinds")
+    p.add_argument("b", metavar="B", nargs="?", help="the other side, any of the same kinds")
+    p.add_argument(
+        "--replay",
+        metavar="SNAPSHOT",
+        default=None,
+        help="instead of A and B: replay a CUDA snapshot's own events (.pickle[.gz]) through the allocator model "
+        "and compare its segments and max reserved with the recorded ones, event by event (exit 1 when the "
+        f"reserved peak is off by more than --tolerance, default {DEFAULT_REPLAY_TOLERANCE} here)",
+    )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="with --replay: start from an empty cache (the blocks alive at the start allocated first), as a "
+        "dry run does, instead of the cache as recording began",
+    )
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.add_argument(
         "--tolerance",
         type=float,
-        default=DEFAULT_TOLERANCE,
-        help=f"largest |relative peak error| that passes (default {DEFAULT_TOLERANCE})",
+        default=None,
+        help=f"largest |relative peak error| that passes (default {DEFAULT_TOLERANCE}; "
+        f"{DEFAULT_REPLAY_TOLERANCE} with --replay)",
     )
     p.add_argument(
         "--with-kernel-scratch",
@@ -66,8 +85,19 @@ def run(args: argparse.Namespace) -> int:
     from hyperdryrun.ingest.files import IngestError
 
     debug = getattr(args, "debug", False)
+    replaying = getattr(args, "replay", None) is not None
+    if args.tolerance is None:
+        args.tolerance = DEFAULT_REPLAY_TOLERANCE if replaying else DEFAULT_TOLERANCE
     if not math.isfinite(args.tolerance) or args.tolerance < 0:
         return fail(f"--tolerance {args.tolerance} must be a finite number >= 0", ValueError(), debug)
+    if replaying:
+        if args.a is not None or args.b is not None:
+            return fail("--replay SNAPSHOT takes no A or B", ValueError(), debug)
+        return run_replay(args)
+    if args.a is None or args.b is None:
+        return fail("compare needs A and B (or --replay SNAPSHOT)", ValueError(), debug)
+    if getattr(args, "cold", False):
+        return fail("--cold needs --replay SNAPSHOT", ValueError(), debug)
     if args.top < 0:
         return fail(f"--top {args.top} must be >= 0", ValueError(), debug)
     try:
@@ -80,3 +110,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_comparison(result, top=args.top)
     return EXIT_OK if result["within_tolerance"] else EXIT_VERDICT
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """``--replay SNAPSHOT``: the snapshot's own events through the allocator model; 0/1 by tolerance, 2 bad file."""
+    from hyperdryrun.allocator.snapshot_replay import format_replay, load_snapshot, replay_snapshot
+    from hyperdryrun.ingest.files import IngestError
+
+    debug = getattr(args, "debug", False)
+    try:
+        data = load_snapshot(args.replay)
+        result = replay_snapshot(data, str(args.replay), args.device, cold=args.cold)
+    except IngestError as err:
+        return fail(str(err), err, debug)
+    except (ValueError, KeyError, TypeError) as err:  # an inconsistent trace (e.g. a block freed twice)
+        return fail(f"{args.replay}: inconsistent allocator trace ({err})", err, debug)
+    if args.json:
+        out = result.as_dict()
+        out["tolerance"] = args.tolerance
+        out["within_tolerance"] = result.within(args.tolerance)
+        print(json.dumps(out, indent=2, allow_nan=False))
+    else:
+        print(format_replay(result, args.tolerance))
+    return EXIT_OK if result.within(args.tolerance) else EXIT_VERDICT
