@@ -94,7 +94,7 @@ def test_an_impossible_sequence_is_an_error_naming_the_event(events, message):
 
 
 def test_an_event_with_a_bad_field_is_an_error():
-    with pytest.raises(AllocatorEventError, match=r"kind: must be alloc or free \(got 'malloc'\)"):
+    with pytest.raises(AllocatorEventError, match=r"kind: must be alloc, free or sync \(got 'malloc'\)"):
         AllocatorEvent("malloc", 0)
     with pytest.raises(AllocatorEventError, match=r"size: must be >= 0 \(got -1\)"):
         AllocatorEvent("alloc", 0, size=-1)

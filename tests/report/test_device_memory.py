@@ -282,31 +282,35 @@ def hand_trace():
     )  # fmt: skip
 
 
-def test_a_hand_made_trace_reserves_one_segment_at_initialization():
-    # P takes the front of a 20 MiB large segment (a 1-10 MiB request); T is served by the 16 MiB remainder
+def test_a_hand_made_trace_reserves_one_segment_and_reads_its_peak_where_the_step_allocates_most():
+    # P takes the front of a 20 MiB large segment (a 1-10 MiB request) before step 1; T is served by the 16 MiB
+    # remainder in step 1 and again in the step (step 2): 20 MiB reserved throughout, read at T (task 1, forward)
+    # where the most is allocated: P + T = 6 MiB, 14 MiB cached.
     mib = 2**20
     trace = hand_trace()
     dm = device_memory_of(trace)
     s = build_report(trace, device=dm)["summary"]
     assert (s["peak_reserved_bytes"], s["peak_reserved_phase"], s["peak_reserved_task"]) == (
         20 * mib,
-        "initialization",
-        0,
+        "forward",
+        1,
     )
-    assert s["allocated_at_reserved_peak_bytes"] == 4 * mib and s["fragmentation_bytes"] == 16 * mib
+    assert s["allocated_at_reserved_peak_bytes"] == 6 * mib and s["fragmentation_bytes"] == 14 * mib
     assert s["peak_allocated_bytes"] == 6 * mib  # P and T together, at task 1
     assert s["peak_device_bytes"] == 20 * mib + 500 * mib
     assert [(r["cause"], r["stream"], r["pool"], r["bytes"]) for r in s["reserved_breakdown"]] == [
-        ("tensors", None, None, 4 * mib),
+        ("tensors", None, None, 6 * mib),
         ("blocks handed out unsplit", None, None, 0),
         ("cuBLAS workspaces", None, None, 0),
-        ("cached free blocks", 0, "large", 16 * mib),
+        ("cached free blocks", 0, "large", 14 * mib),
     ]
     rows = list(csv.reader(io.StringIO(segments_csv(trace, dm))))
     base = dm.segments[0].address
     assert rows[1:] == [
         [str(base), str(20 * mib), "0", "compute", "large", "False", str(base), str(4 * mib), "allocated", "0",
          str(4 * mib), "Parameter", "initialization"],
-        [str(base), str(20 * mib), "0", "compute", "large", "False", str(base + 4 * mib), str(16 * mib), "free", "",
+        [str(base), str(20 * mib), "0", "compute", "large", "False", str(base + 4 * mib), str(2 * mib), "allocated",
+         "1", str(2 * mib), "Activation", "mm"],
+        [str(base), str(20 * mib), "0", "compute", "large", "False", str(base + 6 * mib), str(14 * mib), "free", "",
          "0", "", ""],
     ]  # fmt: skip

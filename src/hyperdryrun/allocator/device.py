@@ -21,8 +21,8 @@ from typing import Any
 
 from hyperdryrun.allocator.model import Segment
 from hyperdryrun.allocator.options import AllocatorOptions
-from hyperdryrun.allocator.replay import AllocatorOOM, AllocatorReplay, events_from_blocks, replay
-from hyperdryrun.trace.blocks import Block, Phase
+from hyperdryrun.allocator.replay import AllocatorOOM, AllocatorReplay, replay, steady_state_events
+from hyperdryrun.trace.blocks import Block, Category, Phase
 
 TENSORS = "tensors"
 WORKSPACES = "cuBLAS workspaces"
@@ -189,11 +189,10 @@ _CAUSE_ORDER = {TENSORS: 0, UNSPLIT: 1, WORKSPACES: 2, CACHED: 3, PENDING: 4}
 
 
 def workspace_blocks(workspaces: Iterable[Workspace], first_id: int) -> list[Block]:
-    """Blocks for ``workspaces`` (ids from ``first_id``), alive before the step and kept: the traced step is a steady
-    state (step 2 on), and a handle's workspace, made at its thread's first matmul of step 1, is kept with the
-    handle, so every workspace is already allocated when the step starts (after the tensors kept from step 1). An
-    H200 showed it: the peak of the README's first command, in the loss backward before the autograd thread's first
-    matmul of the step, holds both workspaces (../shared/gpu, p1)."""
+    """Blocks for ``workspaces`` (ids from ``first_id``), alive before the steady-state step and kept: a handle's
+    workspace is made at its thread's first matmul of step 1 (:func:`device_memory` replays that history) and kept
+    with the handle. So a peak before the autograd thread's first matmul of the step holds both, as an H200 showed
+    (../shared/gpu, p1: the loss backward)."""
     return [
         Block(
             id=first_id + i,
@@ -210,6 +209,20 @@ def workspace_blocks(workspaces: Iterable[Workspace], first_id: int) -> list[Blo
     ]
 
 
+def made_in_step_one(
+    blocks: list[Block], workspaces: list[tuple[Block, Workspace]]
+) -> list[tuple[Block, int]]:
+    """Blocks alive before the step that step 1 made, with the task it made them at: the optimizer's states at its
+    first task (torch's optimizers create them lazily in their first ``step``, before its other work) and each
+    workspace at its thread's first matmul."""
+    optimizer = [b.start for b in blocks if b.phase == Phase.OPTIMIZER]
+    first = min(optimizer) if optimizer else max((b.start + 1 for b in blocks), default=0)
+    states = [
+        (b, first) for b in blocks if b.phase == Phase.INITIALIZATION and b.category == Category.OPTSTATE
+    ]
+    return states + [(b, w.task) for b, w in workspaces]
+
+
 def device_memory(
     blocks: list[Block],
     tensor_peak: int,
@@ -218,7 +231,9 @@ def device_memory(
     options: AllocatorOptions | None = None,
     capacity: int | None = None,
 ) -> DeviceMemory:
-    """Replay ``blocks`` and ``workspaces`` through the caching allocator, under ``capacity`` less ``outside``.
+    """Replay ``blocks`` and ``workspaces`` through the caching allocator, under ``capacity`` less ``outside``: the
+    steady-state step after the step before it (:func:`hyperdryrun.allocator.replay.steady_state_events`), whose
+    cache it starts from; the figures are the step's.
 
     When the step fits, the figures are those of the replay under the capacity (where the allocator may have had
     to release its cache, ``alloc_retries``); when it does not, those of a replay without a capacity (what the
@@ -229,16 +244,17 @@ def device_memory(
     options = options or AllocatorOptions()
     first_id = max((b.id for b in blocks), default=-1) + 1
     extra = workspace_blocks(workspaces, first_id)
-    events = events_from_blocks([*blocks, *extra])
+    made = made_in_step_one(blocks, list(zip(extra, workspaces, strict=True)))
+    events, start = steady_state_events([*blocks, *extra], made)
     oom = None
     result = None
     if capacity is not None:
-        limited = replay(events, options, max(capacity - sum(c.size for c in outside), 0))
+        limited = replay(events, options, max(capacity - sum(c.size for c in outside), 0), step_start=start)
         oom = limited.oom
         if oom is None:
             result = limited
     if result is None:
-        result = replay(events, options)
+        result = replay(events, options, step_start=start)
     return DeviceMemory(
         replay=result,
         tensor_peak=tensor_peak,
@@ -251,4 +267,11 @@ def device_memory(
     )
 
 
-__all__ = ["DeviceMemory", "OutsideCost", "Workspace", "device_memory", "workspace_blocks"]
+__all__ = [
+    "DeviceMemory",
+    "OutsideCost",
+    "Workspace",
+    "device_memory",
+    "made_in_step_one",
+    "workspace_blocks",
+]

@@ -285,6 +285,11 @@ class CachingAllocatorModel:
             self._events.setdefault(s, deque()).append((done, b))
         self.pending += b.size
 
+    def synchronize(self) -> None:
+        """Every use of a freed block on another stream has completed (``torch.cuda.synchronize``, or the step
+        boundary of :func:`hyperdryrun.allocator.replay.steady_state_events`): pending blocks return to their pools."""
+        self._synchronize_and_free_events()
+
     def add_segment(
         self,
         address: int,

@@ -121,11 +121,8 @@ def _stream_names(trace: Any) -> dict[int, str]:
 
 
 def _replay_phase(trace: Any, r: Any) -> str | None:
-    """The phase of the replay's reserved peak: ``initialization`` while the tensors from before the step are
-    allocated (they come first, at task 0), else the phase of its task."""
-    before = sum(1 for b in trace.blocks if b.phase is Phase.INITIALIZATION and b.requested > 0)
-    if 0 <= r.peak_event < before:
-        return str(Phase.INITIALIZATION)
+    """The phase of the replay's reserved peak: that of its task in the step (the cache the step starts from is
+    the step before's, so the tensors from before the step are no event of it)."""
     task = r.peak_task
     return str(trace.task_phase[task]) if 0 <= task < len(trace.task_phase) else None
 

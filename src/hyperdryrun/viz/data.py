@@ -98,7 +98,8 @@ def allocator_series(report: dict[str, Any], trace: Any | None) -> dict[str, lis
     reserved = [0] * trace.num_tasks
     seen = [False] * trace.num_tasks
     after = [0] * trace.num_tasks  # reserved after the task's last event
-    for task, value in zip(device.replay.tasks, device.replay.reserved):
+    r = device.replay
+    for task, value in zip(r.tasks[r.step_start :], r.reserved[r.step_start :]):  # the step, not its history
         if 0 <= task < len(reserved):
             reserved[task] = max(reserved[task], value) if seen[task] else value
             seen[task], after[task] = True, value
