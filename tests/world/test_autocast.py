@@ -464,3 +464,41 @@ def test_an_exception_inside_an_autocast_region_restores_everything():
 def test_cpu_only_ops_are_cpus_registrations_outside_cudas_lists():
     assert {"cat", "stack", "cross_entropy_loss"} <= set(cpu_only_ops())
     assert not set(cpu_only_ops()) & set(CUDA_POLICIES)
+
+
+# --------------------------------------------------------------------------- rewrites and recompute
+def test_rms_norm_is_cast_to_fp32_before_the_fused_cuda_kernel():
+    # aten::rms_norm is fp32 in CUDA's list: the bf16 input becomes an fp32 copy, the weight is fp32 already, so
+    # the fused kernel runs (weight dtype == input dtype) and saves input, weight and rstd (T,1), all fp32.
+    with SimulatedWorld(target_device="cuda", simulation_device="cpu") as world, world.fake():
+        x = torch.randn(T, D, dtype=torch.bfloat16, requires_grad=True)
+        weight = nn.Parameter(torch.ones(D))
+        saved: list[tuple] = []
+        log = OpLog()
+        with _saved(saved), torch.autocast("cuda", dtype=torch.bfloat16), log:
+            y = F.rms_norm(x, (D,), weight, 1e-6)
+    assert y.dtype == torch.float32
+    assert sorted(saved, key=str) == sorted([((T, D), _F32), ((D,), _F32), ((T, 1), _F32)], key=str)
+    assert [op[0] for op in log.ops] == ["aten._to_copy.default", "aten._fused_rms_norm.default"]
+
+
+def test_a_checkpoints_recompute_casts_as_its_forward_did():
+    # torch.utils.checkpoint restores the autocast state of the inputs' device ("cpu" here) when it recomputes in
+    # backward, outside the region; the recomputed tensors must match the forward's (checkpoint checks metadata).
+    from torch.utils.checkpoint import checkpoint
+
+    with SimulatedWorld(target_device="cuda", simulation_device="cpu") as world, world.fake():
+        lin = nn.Linear(D, H)
+        x = torch.randn(T, D, requires_grad=True)
+        recomputed: list[torch.dtype] = []
+
+        def part(x: torch.Tensor) -> torch.Tensor:
+            h = lin(x)
+            recomputed.append(h.dtype)
+            return F.silu(h)
+
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = checkpoint(part, x, use_reentrant=False)
+        y.float().sum().backward()
+    assert recomputed == [torch.bfloat16, torch.bfloat16]
+    assert lin.weight.grad.dtype == torch.float32
