@@ -14,6 +14,7 @@ import hyperdryrun.world as world_module
 from hyperdryrun import audit
 from hyperdryrun.trace.blocks import round_size
 from hyperdryrun.world import SimulatedWorld, default_simulation_device, kernels
+from hyperdryrun.world.autocast import CastRules, WeightCache, autocast_patches
 from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET, DIFFERENCES
 from hyperdryrun.world.kernels import (
     OUTPUT_FIXUPS,
@@ -97,7 +98,7 @@ def test_each_modelled_difference_is_found_by_the_audit_when_its_handling_is_rem
 
 def test_every_patch_and_output_fixup_has_a_difference_row_and_names_the_torch_behaviour():
     handled = {name for d in DIFFERENCES for name in d.handled_by}
-    patches = target_kernel_patches("cuda", "cpu")
+    patches = target_kernel_patches("cuda", "cpu") + autocast_patches(CastRules("cpu", WeightCache()))
     fixups = {op.overloadpacket.__name__ for op in OUTPUT_FIXUPS}
     assert {p.name for p in patches} | fixups == handled
     assert all("torch 2.13" in p.reason for p in patches)

@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from hyperdryrun.trace.blocks import ALIGNMENT
 from hyperdryrun.trace.tracker import MemoryTracker, TrackingFakeTensorMode
+from hyperdryrun.world.autocast import CudaAutocast
+from hyperdryrun.world.autocast import applies as cuda_autocast_applies
 from hyperdryrun.world.compile import CompiledCode
 from hyperdryrun.world.dtensor import untracked_sharding_propagation
 from hyperdryrun.world.fsdp import gradient_accumulation_buffers
@@ -113,6 +115,9 @@ class SimulatedWorld:
             stack.enter_context(
                 PatchSet(target_kernel_patches(self.target_device, self.device, self.cuda_target))
             )
+            if cuda_autocast_applies(self.target_device, self.device):
+                # after the kernel rewrites: it wraps F.rms_norm / F.scaled_dot_product_attention as they are now
+                stack.enter_context(CudaAutocast(self.device, bf16_supported=self.cuda_target.sm >= (8, 0)))
             if self.target_device == "cuda":
                 self.cuda_settings = self.cuda.settings()
                 self.streams = StreamRegistry(self.device)
@@ -168,7 +173,8 @@ class SimulatedWorld:
                 f"simulated on fake '{self.device}' tensors for a '{self.target_device}' target: "
                 f"{self.target_device} kernels were not executed; where their allocations differ they are "
                 f"modelled (512 B rounding, SDPA backend for {self.cuda_target.describe()}, fused dropout and "
-                "rms_norm, fp32 norm statistics, optimizer implementation; `hyperdryrun audit-kernels` lists them)"
+                "rms_norm, fp32 norm statistics, optimizer implementation, CUDA autocast's op lists; `hyperdryrun "
+                "audit-kernels` lists them)"
             )
         out += self.compiled.limitations if self.compiled is not None else []
         return out

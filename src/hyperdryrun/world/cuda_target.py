@@ -179,6 +179,17 @@ DIFFERENCES: list[KernelDifference] = [
         ("adamw_default", "sgd_default"),
     ),
     KernelDifference(
+        "torch.autocast('cuda') (user code)",
+        "a CPU-only build disables it with a warning (CUDA not available), so the region runs in fp32; CPU "
+        "autocast's own lists differ (cross_entropy_loss, cat, stack listed; sum, softmax, rms_norm not)",
+        "AutocastCUDA lists (autocast_mode.cpp/.h): lower_precision_fp, fp32, fp32_set_opt_dtype, "
+        "fp32_append_dtype, promote; fp32 weights' low-precision copies cached until the region exits",
+        "world/autocast.py: autocast('cuda') stays enabled, carried by CPU autocast; the AutocastCPU kernels are "
+        "CUDA's lists (Python kernels with the weight cache) while the world lasts; tested against a hand-derived "
+        "block and torch's AutocastCUDA kernels (not part of the CUDA-build reference)",
+        ("__init__", "__enter__", "__exit__", "clear_autocast_cache"),
+    ),
+    KernelDifference(
         "BatchNorm",
         "native_batch_norm (CPU kernel)",
         "cudnn_batch_norm: the same output and statistics bytes, plus an empty reserve tensor saved; backward "
