@@ -1,10 +1,15 @@
 """The import layering of src/hyperdryrun: no import cycles, and no import upward against the layer order in
-docs/ARCHITECTURE.md ("## Layers"). Module-level and function-level imports count alike."""
+docs/ARCHITECTURE.md ("## Layers"). Module-level and function-level imports count alike in the source; at run time,
+importing a module loads no module of a higher layer, and the torch-free entry points load no torch."""
 
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,7 +170,7 @@ def test_ingest_reads_only_the_traced_step(graph):
         for a, targets in graph.items()
         if a.startswith(f"{PACKAGE}.ingest")
         for b in targets
-        if not b.startswith((f"{PACKAGE}.ingest", f"{PACKAGE}.trace"))
+        if not b.startswith((f"{PACKAGE}.ingest", f"{PACKAGE}.trace")) and b != f"{PACKAGE}.lazy"  # a leaf
     )
     assert outside == []
 
@@ -179,6 +184,103 @@ def test_exceptions_are_still_needed(graph, layers):
             assert (a, b) in upward, f"{a} -> {b} is no longer upward: remove the exception"
         else:
             assert any({a, b} <= c for c in in_cycle), f"{a} -> {b} closes no cycle: remove the exception"
+
+
+# ---------------------------------------------------------------- what Python actually loads
+
+_LOAD_EACH = r"""
+import importlib, json, sys
+own = lambda m: m == "hyperdryrun" or m.startswith("hyperdryrun.")
+out = {}
+for name in json.loads(sys.argv[1]):
+    for m in [m for m in sys.modules if own(m)]:
+        del sys.modules[m]  # third-party modules (torch) stay loaded: only the package is imported afresh
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as err:  # an optional extra that is not installed
+        out[name] = {"missing": err.name}
+        continue
+    out[name] = {"loaded": sorted(m for m in sys.modules if own(m))}
+print(json.dumps(out))
+"""
+
+
+def _python(*args: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+
+
+def imported_names(importtime_stderr: str) -> set[str]:
+    """The modules ``python -X importtime`` reports as imported (the last column of each ``import time:`` line)."""
+    return {
+        line.rsplit("|", 1)[1].strip()
+        for line in importtime_stderr.splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    } - {"imported package"}  # the header line
+
+
+def higher_layer_loads(
+    loaded: dict[str, list[str]], package: str, layers: list[str]
+) -> list[tuple[str, str]]:
+    """``(module, loaded)`` for every module of a higher layer that importing ``module`` loaded. A package above a
+    loaded module is loaded with it whatever its layer (``hyperdryrun.parallel`` with ``parallel.dims``), so it is
+    not counted; what its ``__init__`` imports is, as the other modules loaded."""
+    out = []
+    for name, modules in loaded.items():
+        parents = {".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count(".") + 1)}
+        own = layer_of(name, package, layers)
+        out += [(name, m) for m in modules if m not in parents and layer_of(m, package, layers) > own]
+    return sorted(out)
+
+
+def test_importing_a_module_loads_no_higher_layer(graph, layers):
+    run = _python("-c", _LOAD_EACH, json.dumps(sorted(graph)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    missing = {name: r["missing"] for name, r in result.items() if "missing" in r}
+    assert set(missing.values()) <= {"torchtitan", "transformers", "ray", "matplotlib"}, missing
+    loaded = {name: r["loaded"] for name, r in result.items() if "loaded" in r}
+    assert len(loaded) >= len(graph) - len(missing)
+    assert loaded[f"{PACKAGE}.parallel.dims"] == [
+        PACKAGE,
+        f"{PACKAGE}.lazy",
+        f"{PACKAGE}.parallel",
+        f"{PACKAGE}.parallel.dims",
+    ]
+    assert higher_layer_loads(loaded, PACKAGE, layers) == []
+
+
+def test_parallel_dims_imports_no_torch():
+    run = _python("-X", "importtime", "-c", "import hyperdryrun.parallel.dims")
+    assert run.returncode == 0, run.stderr[-3000:]
+    names = imported_names(run.stderr)
+    assert "hyperdryrun.parallel.dims" in names  # the parse sees the imports
+    assert not {n for n in names if n.split(".")[0] in ("torch", "numpy", "pydantic")}
+
+
+def test_cli_help_imports_no_torch():
+    run = _python("-X", "importtime", "-m", PACKAGE, "--help")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("usage: hyperdryrun")
+    names = imported_names(run.stderr)
+    assert {"hyperdryrun.cli", "hyperdryrun.config"} <= names
+    assert not {n for n in names if n.split(".")[0] in ("torch", "torchtitan", "transformers", "numpy")}
+
+
+def test_higher_layer_loads_skips_only_the_parent_packages():
+    layers = parse_layers(FAKE_LAYERS)
+    loaded = {
+        "pkg.mid.special": ["pkg", "pkg.mid", "pkg.mid.special", "pkg.low"],
+        "pkg.low": ["pkg.low", "pkg.high"],
+    }
+    assert higher_layer_loads(loaded, "pkg", layers) == [("pkg.low", "pkg.high")]
+    stderr = "import time: self [us] | cumulative | imported package\nimport time:   5 |   5 |   torch._C\n"
+    assert imported_names(stderr) == {"torch._C"}
 
 
 # ---------------------------------------------------------------- the checker itself, on a fake package

@@ -19,7 +19,7 @@ from hyperdryrun.models import hf
 from hyperdryrun.models.registry import ModelFamily, family_of, preset_names
 from hyperdryrun.parallel.dims import ParallelDims, PipelineSchedule, stages_per_rank
 from hyperdryrun.world.runtime import CudaRuntime
-from hyperdryrun.world.values import ROUTING_OP, ValueRule, ValueRules
+from hyperdryrun.world.value_rules import ROUTING_OP, ValueRule, ValueRules
 
 Dtype = Literal["bf16", "fp32"]
 

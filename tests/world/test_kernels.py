@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hyperdryrun.world as world_module
+import hyperdryrun.world.simulated as world_module
 from hyperdryrun import audit
 from hyperdryrun.trace.blocks import round_size
 from hyperdryrun.world import SimulatedWorld, default_simulation_device, kernels

@@ -18,9 +18,10 @@ with kLargeBuffer where large_segment_size and max_non_split_rounding_size now s
 The option keys match the pinned libc10.so (see ``options``).
 """
 
-from hyperdryrun.allocator.device import DeviceMemory, OutsideCost, Workspace, device_memory
-from hyperdryrun.allocator.model import CachingAllocatorModel, OutOfMemory, Segment, SegmentBlock
-from hyperdryrun.allocator.options import AllocatorConfigError, AllocatorOptions
+from typing import TYPE_CHECKING
+
+# Eager: ``replay`` is both a submodule and a function; importing the submodule later (as allocator.device does)
+# would rebind the package's ``replay`` to the module unless the function is bound after it, here.
 from hyperdryrun.allocator.replay import (
     AllocatorEvent,
     AllocatorEventError,
@@ -28,6 +29,21 @@ from hyperdryrun.allocator.replay import (
     AllocatorReplay,
     events_from_blocks,
     replay,
+)
+from hyperdryrun.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from hyperdryrun.allocator.device import DeviceMemory, OutsideCost, Workspace, device_memory
+    from hyperdryrun.allocator.model import CachingAllocatorModel, OutOfMemory, Segment, SegmentBlock
+    from hyperdryrun.allocator.options import AllocatorConfigError, AllocatorOptions
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "hyperdryrun.allocator.device": ("DeviceMemory", "OutsideCost", "Workspace", "device_memory"),
+        "hyperdryrun.allocator.model": ("CachingAllocatorModel", "OutOfMemory", "Segment", "SegmentBlock"),
+        "hyperdryrun.allocator.options": ("AllocatorConfigError", "AllocatorOptions"),
+    },
 )
 
 __all__ = [

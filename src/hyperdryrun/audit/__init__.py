@@ -11,18 +11,48 @@ compares two records; :mod:`~hyperdryrun.audit.reference` holds the record/compa
 
 from __future__ import annotations
 
-from hyperdryrun.audit.backward import walk_backward
-from hyperdryrun.audit.diff import diff_layer, summary
-from hyperdryrun.audit.layers import LAYERS
-from hyperdryrun.audit.recorder import OpRecorder, saved_tensors
-from hyperdryrun.audit.reference import (
-    SCHEMA_VERSION,
-    compare,
-    describe_reference,
-    load_reference,
-    record,
-    run_layer,
-    simulation,
+from typing import TYPE_CHECKING
+
+from hyperdryrun.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from hyperdryrun.audit.backward import walk_backward
+    from hyperdryrun.audit.diff import diff_layer, summary
+    from hyperdryrun.audit.layers import LAYERS
+    from hyperdryrun.audit.recorder import OpRecorder, saved_tensors
+    from hyperdryrun.audit.reference import (
+        SCHEMA_VERSION,
+        compare,
+        describe_reference,
+        load_reference,
+        record,
+        run_layer,
+        simulation,
+    )
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "hyperdryrun.audit.backward": ("walk_backward",),
+        "hyperdryrun.audit.diff": (
+            "diff_layer",
+            "summary",
+        ),
+        "hyperdryrun.audit.layers": ("LAYERS",),
+        "hyperdryrun.audit.recorder": (
+            "OpRecorder",
+            "saved_tensors",
+        ),
+        "hyperdryrun.audit.reference": (
+            "SCHEMA_VERSION",
+            "compare",
+            "describe_reference",
+            "load_reference",
+            "record",
+            "run_layer",
+            "simulation",
+        ),
+    },
 )
 
 __all__ = [

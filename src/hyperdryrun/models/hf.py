@@ -13,13 +13,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from hyperdryrun.models.llama import local_shard
 from hyperdryrun.patches import Patch, PatchSet
+
+if TYPE_CHECKING:  # torch is imported where a model is built: the job config reads this module without it
+    import torch
+    from torch import nn
 
 HF_PREFIX = "hf:"
 CONFIG_DIR = Path(__file__).with_name("hf_configs")
@@ -196,6 +196,8 @@ class HFArgs:
     def num_params(self, active: bool = False) -> int:
         """Parameters of the model built on meta (tied weights once); ``active``: those one token uses (top_k
         of the routed experts)."""
+        import torch
+
         with torch.device("meta"):
             model = build_hf_model(self, 1)
         total = sum(p.numel() for p in model.parameters())
@@ -279,6 +281,8 @@ def layout_problems(args: HFArgs, parallel: Any, fsdp_off: bool = False) -> list
 def build_hf_model(args: HFArgs, max_seq_len: int) -> nn.Module:
     """``AutoModelForCausalLM.from_config`` in the current default dtype (not the config's ``torch_dtype``), with
     the job's attention and experts kernels; ``max_seq_len`` is unused (HF computes RoPE per step)."""
+    import torch
+
     transformers = transformers_module()
     kwargs: dict[str, Any] = {
         "attn_implementation": args.attn_implementation,
@@ -328,10 +332,18 @@ def hf_pipeline_cut(model: nn.Module, layers: range, embedding: bool, head: bool
     raise ValueError("parallel.pp > 1 is not supported for Hugging Face models")
 
 
-@torch.no_grad()
 def init_hf_weights(model: nn.Module) -> None:
     """Real values on this rank's local shards: weights ~ N(0, initializer_range), biases 0, norms 1, and the
     rotary inverse frequencies recomputed (``to_empty`` leaves buffers uninitialised)."""
+    import torch
+
+    with torch.no_grad():
+        _init_hf_weights(model)
+
+
+def _init_hf_weights(model: nn.Module) -> None:
+    from hyperdryrun.models.llama import local_shard
+
     config = model.config
     std = getattr(config, "initializer_range", None) or 1.0 / math.sqrt(config.hidden_size)
     for name, p in model.named_parameters():

@@ -9,67 +9,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperdryrun.models.shapes import LLAMA_PRESETS, LlamaArgs
 
-@dataclass(frozen=True)
-class LlamaArgs:
-    """Shape of a Llama-style decoder. ``ffn_dim`` is the SwiGLU hidden width."""
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    tie_embeddings: bool = False
-    norm: Literal["fused", "fp32-unfused"] = "fused"
-    """RMSNorm kind: ``fused`` is torch's ``nn.RMSNorm`` (torchtitan 0.3.0; one fused kernel on CUDA),
-    ``fp32-unfused`` the reference's normalise-in-fp32 module of torchtitan's 2024 releases."""
-    fuse_qkv: bool = True
-    """One ``wqkv`` projection split into q, k, v (torchtitan 0.3.0) instead of ``wq``, ``wk``, ``wv``."""
-    rope: Literal["per-layer", "shared"] = "per-layer"
-    """RoPE table: one ``cache`` buffer per attention (torchtitan 0.3.0) or one ``rope_cache`` buffer of the model
-    that every layer reads (torchtitan's 2024 releases)."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def num_params(self) -> int:
-        """Parameter count derived from the shapes alone (independent of any module)."""
-        kv = self.n_kv_heads * self.head_dim
-        per_layer = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn_dim + 2 * self.dim
-        embed = self.vocab_size * self.dim
-        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.n_layers * per_layer + self.dim + embed + head
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def replace(self, **changes) -> LlamaArgs:
-        return replace(self, **changes)
-
-
-# Published shapes (Meta's Llama 3 / 3.1 model cards); the small ones exist for tests and CPU ground truth.
-PRESETS: dict[str, LlamaArgs] = {
-    "llama3-8b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
-    "llama3-70b": LlamaArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256
-    ),
-    "llama3-405b": LlamaArgs(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256
-    ),
-    "llama-debug": LlamaArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=512, vocab_size=1024),
-    "llama-tiny": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256),
-}
+PRESETS = LLAMA_PRESETS
 
 
 class RMSNorm(nn.Module):

@@ -8,13 +8,16 @@ help and the recipe read both, so a new family is one entry in each and no dispa
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from hyperdryrun.models import hf
+from hyperdryrun.models.shapes import LLAMA_PRESETS, MOE_PRESETS, LlamaArgs, MoEArgs
 
-from hyperdryrun.models import hf, llama, moe
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,21 @@ class ModelFamily:
     """``logits(model, tokens)`` when the model's forward does not return the logits itself (Hugging Face)."""
     prefix: str = ""
     """Model names of the form ``<prefix>NAME`` belong to this family (``hf:``), besides its presets."""
+
+
+def _torch_code(module: str, name: str) -> Callable[..., Any]:
+    """``module.name`` (a dotted attribute path), imported when first called: the registry, the job config and the
+    ``--model`` help read the families without importing torch; building or initialising a model imports it."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        target: Any = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+        return target(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"``{module}.{name}``, imported on first call."
+    return call
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -92,21 +110,21 @@ def presets_help() -> str:
 LLAMA = register_family(
     ModelFamily(
         name="llama",
-        args_cls=llama.LlamaArgs,
-        presets=llama.PRESETS,
-        build=llama.LlamaTransformer,
-        init_weights=llama.init_llama_weights,
-        pipeline_cut=llama.DecoderLM.keep_stage,
+        args_cls=LlamaArgs,
+        presets=LLAMA_PRESETS,
+        build=_torch_code("hyperdryrun.models.llama", "LlamaTransformer"),
+        init_weights=_torch_code("hyperdryrun.models.llama", "init_llama_weights"),
+        pipeline_cut=_torch_code("hyperdryrun.models.llama", "DecoderLM.keep_stage"),
     )
 )
 MOE = register_family(
     ModelFamily(
         name="moe",
-        args_cls=moe.MoEArgs,
-        presets=moe.PRESETS,
-        build=moe.MoETransformer,
-        init_weights=moe.init_moe_weights,
-        pipeline_cut=llama.DecoderLM.keep_stage,
+        args_cls=MoEArgs,
+        presets=MOE_PRESETS,
+        build=_torch_code("hyperdryrun.models.moe", "MoETransformer"),
+        init_weights=_torch_code("hyperdryrun.models.moe", "init_moe_weights"),
+        pipeline_cut=_torch_code("hyperdryrun.models.llama", "DecoderLM.keep_stage"),
         is_moe=True,
         label="MoE",
     )

@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from hyperdryrun.models.registry import family_of_args
-
 PipelineSchedule = Literal[
     "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
 ]
@@ -186,6 +184,8 @@ class ParallelDims:
         """Why this layout cannot run ``model_args`` (a preset's shapes) with ``training`` (seq_len,
         num_micro_batches, dtype, param_dtype) on ``target_device``: one line per problem, in the order the job
         config reports them (it raises the first); empty when the layout is valid. Never raises."""
+        from hyperdryrun.models.registry import family_of_args  # the models are torch code: only when checked
+
         m, t = model_args, training
         family = family_of_args(m)
         out: list[str] = []

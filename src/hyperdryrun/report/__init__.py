@@ -5,18 +5,49 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hyperdryrun.report.build import blocks_csv, build_report, device_memory_of, error_report, segments_csv
-from hyperdryrun.report.reporters import (
-    DEFAULT_REPORTERS,
-    REPORTERS,
-    RankReport,
-    register_reporter,
-    write_rank_reports,
+from hyperdryrun.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from hyperdryrun.report.build import (
+        blocks_csv,
+        build_report,
+        device_memory_of,
+        error_report,
+        segments_csv,
+    )
+    from hyperdryrun.report.reporters import (
+        DEFAULT_REPORTERS,
+        REPORTERS,
+        RankReport,
+        register_reporter,
+        write_rank_reports,
+    )
+    from hyperdryrun.report.schema import CSV_COLUMNS, SCHEMA_VERSION
+    from hyperdryrun.report.writer import rank_paths, write_error_report, write_reports
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "hyperdryrun.report.build": (
+            "blocks_csv",
+            "build_report",
+            "device_memory_of",
+            "error_report",
+            "segments_csv",
+        ),
+        "hyperdryrun.report.reporters": (
+            "DEFAULT_REPORTERS",
+            "REPORTERS",
+            "RankReport",
+            "register_reporter",
+            "write_rank_reports",
+        ),
+        "hyperdryrun.report.schema": ("CSV_COLUMNS", "SCHEMA_VERSION"),
+        "hyperdryrun.report.writer": ("rank_paths", "write_error_report", "write_reports"),
+    },
 )
-from hyperdryrun.report.schema import CSV_COLUMNS, SCHEMA_VERSION
-from hyperdryrun.report.writer import rank_paths, write_error_report, write_reports
 
 
 def save_reports(
@@ -28,6 +59,8 @@ def save_reports(
 ) -> list[Path]:
     """Write ``<output_dir>/rank_<r>/rank_<r>_memory.{json,csv}`` for a trace (atomically), and
     ``rank_<r>_segments.csv`` for a CUDA target; returns the paths."""
+    from hyperdryrun.report.reporters import RankReport, write_rank_reports
+
     return write_rank_reports(RankReport.from_trace(trace, device_memory_gib, live_set_limit), output_dir)
 
 

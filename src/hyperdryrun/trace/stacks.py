@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from types import FrameType
-
-import torch
 
 MAX_FRAMES = 64
 
@@ -17,7 +16,9 @@ def _dir(module_file: str) -> str:
 
 _PKG = _dir(os.path.dirname(os.path.abspath(__file__)))  # hyperdryrun/, the parent of this file's trace/
 _OWN_USER_CODE = (_PKG + "models" + os.sep,)  # the built-in recipe's model code is user code there
-_TORCH = _dir(torch.__file__)
+_TORCH = _dir(
+    importlib.util.find_spec("torch").origin
+)  # found, not imported: reports and the CLI stay torch-free
 _LAUNCHERS = os.path.join(sys.prefix, "bin") + os.sep  # console-script entry points
 _SITE = tuple(sorted({p + os.sep for p in sys.path if p.endswith(("site-packages", "dist-packages"))}))
 _STDLIB = _dir(os.__file__)
