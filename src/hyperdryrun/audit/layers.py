@@ -108,6 +108,22 @@ layer("rms_norm_functional_fp32")(_f_rms_norm(torch.float32))
 layer("rms_norm_functional_bf16")(_f_rms_norm(torch.bfloat16))
 
 
+@layer("rms_norm_sequence_parallel_bf16")
+def _rms_norm_sequence_parallel(device: torch.device) -> Case:
+    """``nn.RMSNorm`` under tensor parallelism's sequence parallel (a DTensor sharded on the sequence, as in every
+    TP+SP decoder block), on a one-rank mesh of the device: the kernel choice for a DTensor input."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    with unset_fake_temporarily():  # mesh coordinates are computed with real tensor ops
+        mesh = DeviceMesh(device.type, [0])
+    mod = _module(lambda: nn.RMSNorm(D), device, torch.bfloat16)
+    mod = parallelize_module(mod, mesh, SequenceParallel(sequence_dim=1))
+    x = _x(device, B, S, D)
+    return Case(forward=lambda: mod(x).to_local(), keep=[mod, x, mesh])
+
+
 def _layernorm(dtype: torch.dtype) -> Builder:
     def build(device: torch.device) -> Case:
         mod = _module(lambda: nn.LayerNorm(D), device, dtype)

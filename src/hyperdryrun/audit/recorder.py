@@ -17,6 +17,11 @@ Event = tuple[str, list[int]]
 """One dispatched op: its name and the bytes of each new output storage (empty when it allocates nothing)."""
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (what the device holds), else the tensor."""
+    return getattr(t, "_local_tensor", t)
+
+
 class OpRecorder(TorchDispatchMode):
     """Records every outermost aten op with the bytes of the new storages it returns (the tracker's rule:
     outputs on an input's storage, views and metadata queries are no allocation)."""
@@ -32,11 +37,11 @@ class OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in METADATA_OPS or getattr(func, "is_view", False):
             return out
-        inputs = {id(t.untyped_storage()) for t in iter_tensors(args)}
-        inputs.update(id(t.untyped_storage()) for t in iter_tensors(kwargs))
+        inputs = {id(_local(t).untyped_storage()) for t in iter_tensors(args)}
+        inputs.update(id(_local(t).untyped_storage()) for t in iter_tensors(kwargs))
         new: list[int] = []
         seen: set[int] = set()
-        for t in iter_tensors(out):
+        for t in map(_local, iter_tensors(out)):
             if not isinstance(t, FakeTensor) or t.device.type != self.device_type:
                 continue  # host tensors of a CUDA step (e.g. a CPU scalar) are no device memory
             st = t.untyped_storage()
@@ -55,7 +60,14 @@ def saved_tensors(into: list[list[Any]]) -> Iterator[None]:
     """Record (shape, dtype, storage bytes) of every tensor autograd saves for backward."""
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        into.append([list(t.shape), str(t.dtype).removeprefix("torch."), int(t.untyped_storage().nbytes())])
+        local = _local(t)
+        into.append(
+            [
+                list(local.shape),
+                str(local.dtype).removeprefix("torch."),
+                int(local.untyped_storage().nbytes()),
+            ]
+        )
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -13,6 +13,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hyperdryrun.audit.backward import walk_backward
@@ -66,6 +67,11 @@ def simulation(device: str) -> Iterator[None]:
             )
             stack.enter_context(world.fake())
         else:
+            # a one-rank fake process group for the layers on a device mesh (DTensor), torn down after the layer
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+            stack.callback(dist.destroy_process_group)
             stack.enter_context(PatchSet(target_kernel_patches("cuda", device)))
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         yield

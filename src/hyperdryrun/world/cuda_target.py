@@ -136,7 +136,7 @@ DIFFERENCES: list[KernelDifference] = [
         "F.rms_norm calls _fused_rms_norm below autograd with the CUDA derivative formula, also for DTensor inputs "
         "(TP/SP: on a GPU the DTensor's device type picks the fused kernel, which DTensor runs on the local shard)",
         ("rms_norm",),
-        ("rms_norm_functional_fp32", "rms_norm_functional_bf16"),
+        ("rms_norm_functional_fp32", "rms_norm_functional_bf16", "rms_norm_sequence_parallel_bf16"),
     ),
     KernelDifference(
         "LayerNorm (bf16/fp16)",
