@@ -594,8 +594,11 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     finally:
         if loader is not None:
             loader.dispose()
-    if data is None:
-        return {}
+    if data is None or data == {}:
+        # an empty file (or one holding only comments) would run the default job, which no one meant
+        raise ConfigError(
+            f"{where} is empty: it gives no job (write at least one section, e.g. 'model: {{name: llama3-8b}}')"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {str(p)!r} must hold a mapping, got {type(data).__name__}")
     return data

@@ -132,7 +132,7 @@ def test_a_rank_that_fails_on_bad_input_in_a_worker_exits_2(tmp_path):
         "routing rule counts=[1, 2, 3] must have 4 entries" in err and "(and 1 more of 2 ranks failed)" in err
     )
     assert "rerun with --debug" not in err
-    assert files_under(out) == {"rank_0/rank_0_memory.json", "rank_1/rank_1_memory.json"}  # error reports
+    assert files_under(out) == set()  # bad input writes no error report (an earlier good one would stay)
 
 
 @pytest.mark.parametrize(

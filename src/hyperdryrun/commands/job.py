@@ -299,7 +299,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
 
 def job_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> JobConfig:
     """Like :func:`config_from_args`, with the failing field's flag named beside it (``training.seq_len
-    (--seq-len): ...``), and the simulation's host cost checked before anything runs (:func:`check_host_cost`)."""
+    (--seq-len): ...``); the environment the step reads, the output directory and the simulation's host cost
+    are checked before anything runs (:mod:`hyperdryrun.commands.preflight`, :func:`check_host_cost`)."""
     try:
         cfg = config_from_args(args, environ)
     except ConfigError as err:
@@ -308,6 +309,10 @@ def job_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = 
         if field in FLAG_OF:
             msg = f"{field} ({FLAG_OF[field]}){msg[len(field) :]}"
         raise ConfigError(msg) from None
+    from hyperdryrun.commands.preflight import check_job_environment, check_output_dir
+
+    check_job_environment(cfg, environ)
+    check_output_dir(cfg.output_dir, "--output-dir")
     for line in check_host_cost(cfg, ranks_asked(args, cfg.world.world_size), getattr(args, "jobs", None)):
         sys.stderr.write(f"hyperdryrun: warning: {line}\n")
     return cfg

@@ -13,6 +13,7 @@ from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail
 from hyperdryrun.commands.job import add_job_arguments, job_from_args
+from hyperdryrun.commands.preflight import check_rank_outputs
 from hyperdryrun.config import ConfigError
 
 CPU_ONLY_NOTE = (
@@ -149,6 +150,7 @@ def measure_command(args: argparse.Namespace) -> int:
 
     try:
         cfg = job_from_args(args)
+        check_rank_outputs(cfg.output_dir, [cfg.world.rank])
     except ConfigError as err:
         return fail(str(err), err, args.debug)
     from hyperdryrun.measure.step import unsupported
