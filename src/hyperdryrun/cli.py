@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_gone() -> int:
+    """Exit code 141 for a stdout whose reader went away, with stdout pointed at /dev/null so that Python's own
+    flush at exit has nothing left to fail on."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_SIGPIPE
+
+
 @contextlib.contextmanager
 def broken_pipe_raises() -> Iterator[None]:
     """While inside, rich's consoles raise :class:`BrokenPipeError` when stdout's reader has gone (``| head``), as
@@ -92,6 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = args.func(args)
             sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit
             return code
+    except (
+        SystemExit
+    ):  # argparse's --help, --version and usage errors: what they printed must reach its reader too
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            return _stdout_gone()
+        raise
     except KeyboardInterrupt:
         sys.stderr.write("hyperdryrun: interrupted (SIGINT)\n")
         return EXIT_SIGINT
@@ -99,10 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("hyperdryrun: terminated (SIGTERM)\n")
         return EXIT_SIGTERM
     except BrokenPipeError:  # stdout's reader went away (``| head``): as a shell would, quietly
-        os.dup2(
-            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
-        )  # no second error when Python flushes it
-        return EXIT_SIGPIPE
+        return _stdout_gone()
     except Exception as err:
         debug = bool(getattr(args, "debug", False))
         if error_kind(err) == BAD_INPUT:
