@@ -14,7 +14,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hyperdryrun.ingest.files import CONFIG_BYTES, NESTING, YAML_NODES, IngestError, read_bytes
+from hyperdryrun.ingest.files import (
+    CONFIG_BYTES,
+    NESTING,
+    YAML_NODES,
+    IngestError,
+    bounded_int,
+    read_bytes,
+    shown,
+)
 from hyperdryrun.models import hf
 from hyperdryrun.models.registry import ModelFamily, family_of, preset_names
 from hyperdryrun.parallel.dims import ParallelDims, PipelineSchedule, stages_per_rank
@@ -618,9 +626,9 @@ def rank_from_env(environ: Mapping[str, str] | None = None) -> dict[str, int]:
             continue
         raw = env[var]
         try:
-            out[key] = int(raw)
+            out[key] = bounded_int(raw)
         except ValueError:
-            raise ConfigError(f"{var}={raw!r} is not an integer") from None
+            raise ConfigError(f"{var}={shown(raw)} is not an integer below 2**64") from None
     for key, var, least in (
         ("world_size", "WORLD_SIZE", 1),
         ("rank", "RANK", 0),

@@ -201,8 +201,10 @@ def _capacity(args: argparse.Namespace) -> tuple[int, str | None]:
             "--gpu or --device-memory-gib: give the device (a GPU preset or its capacity in GiB)"
         )
     if args.device_memory_gib is not None:
-        if not args.device_memory_gib > 0:
-            raise ConfigError(f"--device-memory-gib: must be > 0 (got {args.device_memory_gib})")
+        if not (args.device_memory_gib > 0 and math.isfinite(args.device_memory_gib * GiB)):
+            raise ConfigError(
+                f"--device-memory-gib: must be a finite number > 0 (got {args.device_memory_gib})"
+            )
     if args.gpu is not None:
         try:
             preset = gpu_preset(args.gpu)

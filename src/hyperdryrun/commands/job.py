@@ -297,10 +297,14 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
     return build_config(data)
 
 
-def job_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> JobConfig:
+def job_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None, warnings: list[str] | None = None
+) -> JobConfig:
     """Like :func:`config_from_args`, with the failing field's flag named beside it (``training.seq_len
     (--seq-len): ...``); the environment the step reads, the output directory and the simulation's host cost
-    are checked before anything runs (:mod:`hyperdryrun.commands.preflight`, :func:`check_host_cost`)."""
+    are checked before anything runs (:mod:`hyperdryrun.commands.preflight`, :func:`check_host_cost`). Its warning
+    lines go to ``warnings`` when given (a command prints them once its own checks pass, so that bad input stays one
+    line), else to stderr."""
     try:
         cfg = config_from_args(args, environ)
     except ConfigError as err:
@@ -313,9 +317,17 @@ def job_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = 
 
     check_job_environment(cfg, environ)
     check_output_dir(cfg.output_dir, "--output-dir")
-    for line in check_host_cost(cfg, ranks_asked(args, cfg.world.world_size), getattr(args, "jobs", None)):
-        sys.stderr.write(f"hyperdryrun: warning: {line}\n")
+    lines = check_host_cost(cfg, ranks_asked(args, cfg.world.world_size), getattr(args, "jobs", None))
+    if warnings is not None:
+        warnings += lines
+    else:
+        print_warnings(lines)
     return cfg
+
+
+def print_warnings(lines: list[str]) -> None:
+    for line in lines:
+        sys.stderr.write(f"hyperdryrun: warning: {line}\n")
 
 
 # --- host cost: what a simulation costs this machine before it starts -------------------------------------------

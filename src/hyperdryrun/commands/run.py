@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail
-from hyperdryrun.commands.job import add_job_arguments, job_from_args
+from hyperdryrun.commands.job import add_job_arguments, job_from_args, print_warnings
 from hyperdryrun.commands.preflight import check_output_file, check_rank_outputs
 from hyperdryrun.config import ConfigError
 
@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from hyperdryrun.report.console import print_ranks, print_summary
     from hyperdryrun.runner import run_rank, run_ranks
 
+    warnings: list[str] = []
     try:
-        cfg = job_from_args(args)
+        cfg = job_from_args(args, warnings=warnings)
         ranks = parse_ranks(args, cfg.world.world_size)
         if ranks is not None and args.rank is not None:
             raise ConfigError("--rank and --ranks/--all-ranks: give one of them")
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         check_rank_outputs(cfg.output_dir, [cfg.world.rank] if ranks is None else ranks)
     except ConfigError as err:
         return fail(str(err), err, args.debug)
+    print_warnings(warnings)
     if ranks is not None:
         outcomes = run_ranks(
             cfg,

@@ -55,6 +55,12 @@ class _NoObjects(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it references {module}.{name}")
 
 
+def shown(value: str, most: int = 40) -> str:
+    """``repr(value)``, cut to about ``most`` characters with the length said: a hostile value stays a short line."""
+    text = repr(value)
+    return text if len(text) <= most else f"{text[: most - 10]}...' ({len(value):,} characters)"
+
+
 @dataclass(frozen=True)
 class Limit:
     """A bound on what one input may cost (its size, nesting, entries), raised by its environment variable."""
@@ -73,7 +79,9 @@ class Limit:
         except ValueError:
             value = 0
         if value < 1:
-            raise ValueError(f"{self.env}={raw!r} must be a positive integer (the limit on {self.meaning})")
+            raise ValueError(
+                f"{self.env}={shown(raw)} must be a positive integer (the limit on {self.meaning})"
+            )
         return value
 
     def of(self, source: str | os.PathLike) -> int:
@@ -129,8 +137,8 @@ def bounded_int(text: str) -> int:
     converting a long one is quadratic)."""
     digits = text.strip().lstrip("+-").lstrip("0")
     if len(digits) > _INT_DIGITS or abs(value := int(text)) >= INT_LIMIT:
-        shown = text if len(text) <= 30 else f"{text[:20]}... ({len(text):,} characters)"
-        raise ValueError(f"integer {shown} is out of range (magnitude 2**64 or more)")
+        cut = text if len(text) <= 30 else f"{text[:20]}... ({len(text):,} characters)"
+        raise ValueError(f"integer {cut} is out of range (magnitude 2**64 or more)")
     return value
 
 
