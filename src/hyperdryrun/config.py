@@ -627,8 +627,9 @@ def rank_from_env(environ: Mapping[str, str] | None = None) -> dict[str, int]:
         raw = env[var]
         try:
             out[key] = bounded_int(raw)
-        except ValueError:
-            raise ConfigError(f"{var}={shown(raw)} is not an integer below 2**64") from None
+        except ValueError as err:
+            why = "is out of range (2**64 or more)" if "out of range" in str(err) else "is not an integer"
+            raise ConfigError(f"{var}={shown(raw)} {why}") from None
     for key, var, least in (
         ("world_size", "WORLD_SIZE", 1),
         ("rank", "RANK", 0),

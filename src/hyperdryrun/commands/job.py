@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from hyperdryrun.commands.preflight import WORLD_SIZE, check_job_environment, check_output_dir
 from hyperdryrun.config import TORCHRUN_VARS, ConfigError, JobConfig, build_config, load_yaml, rank_from_env
-from hyperdryrun.ingest.files import Limit
 from hyperdryrun.models.hf import HF_PREFIX, shipped_configs
 from hyperdryrun.models.registry import presets_help
 
@@ -313,8 +313,6 @@ def job_from_args(
         if field in FLAG_OF:
             msg = f"{field} ({FLAG_OF[field]}){msg[len(field) :]}"
         raise ConfigError(msg) from None
-    from hyperdryrun.commands.preflight import check_job_environment, check_output_dir
-
     check_job_environment(cfg, environ)
     check_output_dir(cfg.output_dir, "--output-dir")
     lines = check_host_cost(cfg, ranks_asked(args, cfg.world.world_size), getattr(args, "jobs", None))
@@ -331,7 +329,6 @@ def print_warnings(lines: list[str]) -> None:
 
 
 # --- host cost: what a simulation costs this machine before it starts -------------------------------------------
-WORLD_SIZE = Limit("HYPERDRYRUN_MAX_WORLD_SIZE", 65_536, "the world size a run simulates")
 MESH_SECONDS_PER_RANK = 0.35e-3
 """torch 2.13's DeviceMesh creates a process group per mesh dimension per group of ranks: its setup grows with the
 world size (measured: 7 s for 20,000 ranks on a 2-core machine)."""

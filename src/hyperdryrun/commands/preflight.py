@@ -13,16 +13,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hyperdryrun.config import ConfigError
+from hyperdryrun.ingest.files import Limit
 
 if TYPE_CHECKING:
     from hyperdryrun.config import JobConfig
     from hyperdryrun.world.runtime import CudaRuntime
 
 
+WORLD_SIZE = Limit("HYPERDRYRUN_MAX_WORLD_SIZE", 65_536, "the world size a run simulates")
+"""The largest world a run simulates (:func:`hyperdryrun.commands.job.check_host_cost`)."""
+
+
 def check_limits(environ: Mapping[str, str] | None = None) -> None:
     """Every ``HYPERDRYRUN_MAX_*`` variable that is set is a positive integer (each bounds what one input may cost;
     a malformed one would otherwise surface only when the first file is read)."""
-    from hyperdryrun.commands.job import WORLD_SIZE
     from hyperdryrun.ingest.files import LIMITS
 
     for limit in (*LIMITS, WORLD_SIZE):
