@@ -181,9 +181,11 @@ def test_yaml_errors_name_the_file(tmp_path):
     listed.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match=r"--config: '.*list.yaml' must hold a mapping, got list"):
         load_yaml(listed)
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("")
-    assert load_yaml(empty) == {}
+    for text in ("", "# only a comment\n", "{}\n"):  # issue 23: it would silently run the default llama3-8b
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        with pytest.raises(ConfigError, match=r"--config: '.*empty.yaml' is empty: it gives no job"):
+            load_yaml(empty)
 
 
 def test_rank_from_torchrun_environment():

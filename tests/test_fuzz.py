@@ -26,6 +26,7 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import yaml
@@ -33,6 +34,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hyperdryrun.cli import main
+from hyperdryrun.commands.job import RUN_FLAGS, WORLD_SIZE
+from hyperdryrun.ingest.files import LIMITS
 from hyperdryrun.report.schema import CSV_COLUMNS
 from tests.ingest.fixtures.make_fixtures import snapshot
 
@@ -48,6 +51,15 @@ BUDGET = settings(
 )
 
 
+ENV_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG", "NCCL_BUFFSIZE",
+    *(limit.env for limit in (*LIMITS, WORLD_SIZE)),
+)  # fmt: skip
+"""Every environment variable a command reads (issue 23)."""
+SMALL_BUDGET = settings(BUDGET, max_examples=60)
+"""For the properties whose examples build a job (tens of milliseconds each)."""
+
+
 class Accepted(BaseException):
     """Raised instead of simulating: the job file was valid (a BaseException, so no handler of the CLI eats it)."""
 
@@ -60,11 +72,17 @@ def _no_simulation(monkeypatch):
     def accepted(*args: Any, **kwargs: Any) -> Any:
         raise Accepted
 
+    import hyperdryrun.search.fit as search
+
     monkeypatch.setattr(runner, "run_rank", accepted)
     monkeypatch.setattr(runner, "run_ranks", accepted)
+    monkeypatch.setattr(search, "fit", accepted)  # fit validates everything, then would search
     for var in list(os.environ):
-        if var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") or var.startswith(
-            "HYPERDRYRUN_MAX_"
+        if (
+            var in ENV_VARS
+            or var == "LOCAL_WORLD_SIZE"
+            or var.startswith("PYTORCH_")
+            or var.startswith("HYPERDRYRUN_MAX_")
         ):
             monkeypatch.delenv(var)
 
@@ -405,6 +423,29 @@ def test_a_sample_of_hostile_files_in_a_capped_process(tmp_path):
         "frames.pickle": pickle.dumps(replaced(SNAPSHOT, ("device_traces", 0, 0, "frames"), 7)),
         "nul.csv": b",".join(c.encode() for c in CSV_COLUMNS) + b"\n0\x00,1\n",
         "junk.bin": bytes(range(256)) * 64,
+        # issue 23: 220 KB of shared references to one 100,000-entry trace (was 33-43 s and a MemoryError), and
+        # integers no step has (an OverflowError and Python's 4,300-digit ValueError, exit 3)
+        "shared.pickle": pickle.dumps(
+            {
+                "segments": [],
+                "device_traces": [[{"action": "alloc", "addr": 1, "size": 512}] * 100_000] * 10_000,
+            }
+        ),
+        "digits.json": b'{"traceEvents": [{"ph": "i", "ts": ' + b"9" * 100_000 + b"}]}",
+        "bytes.json": json.dumps(
+            {
+                "traceEvents": [
+                    {
+                        "ph": "i",
+                        "name": "[memory]",
+                        "ts": 1,
+                        "pid": 1,
+                        "tid": 1,
+                        "args": {"Addr": 1, "Bytes": 10**400},
+                    }
+                ]
+            }  # fmt: skip
+        ).encode(),
     }
     paths = []
     for name, raw in samples.items():
@@ -431,3 +472,217 @@ def test_a_sample_of_hostile_files_in_a_capped_process(tmp_path):
     lines = proc.stderr.splitlines()
     assert len(lines) == len(samples) and all(line.startswith("hyperdryrun: error: ") for line in lines)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(samples)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# environment variables, flags, HF config.json files and output paths (issue 23): a good report already in the
+# output directory stays byte for byte unless the run succeeds (here the simulation is stopped once accepted)
+# ---------------------------------------------------------------------------------------------------------
+
+safe_text = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=16
+)  # what an environment variable or an argv entry can hold
+hostile = st.one_of(
+    safe_text,
+    st.integers(-(2**70), 2**70).map(str),
+    st.floats().map(str),
+    st.sampled_from(
+        [
+            "", "0", "-1", "1", "2", "8", "nan", "inf", "-inf", "1e400", "9" * 5000, "1_000", " 2 ", "abc", "@@@",
+            "expandable_segments:True", "max_split_size_mb:" + "9" * 30, "max_split_size_mb:20",
+            "garbage_collection_threshold:0.5", "backend:cudaMallocAsync", ":4096:8", ":x:y", "llama-tiny",
+            "moe-tiny", "h100-80gb", "mi300x", "/", "/dev/null", "a,b", "1,2,3", "0,0", "bf16", "full", "hf:/",
+        ]
+    ),
+)  # fmt: skip
+TINY = ["--model", "llama-tiny", "--seq-len", "64"]
+FIT_BASE = [*TINY, "--world-size", "2", "--gpu", "h100-80gb", "--global-batch-seqs", "8", "--no-cache"]
+
+
+def good_report(out: Path) -> dict[Path, bytes]:
+    """Files standing for a good earlier report of rank 0 (and 1) under ``out``."""
+    kept = {}
+    for r in (0, 1):
+        for name in ("memory.json", "memory.csv", "segments.csv"):
+            p = out / f"rank_{r}" / f"rank_{r}_{name}"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(f"good {name}\n")
+            kept[p] = p.read_bytes()
+    return kept
+
+
+def check_kept(kept: dict[Path, bytes]) -> None:
+    assert all(p.read_bytes() == data for p, data in kept.items())
+    assert sorted(kept) == sorted(p for p in next(iter(kept)).parents[1].rglob("*") if p.is_file())
+
+
+def command_argv(command: str, out: Path) -> list[str]:
+    return {
+        "run": ["run", *TINY, "--output-dir", str(out)],
+        "run-ranks": ["run", *TINY, "--world-size", "2", "--ranks", "0,1", "--output-dir", str(out)],
+        "fit": ["fit", *FIT_BASE],
+        "compare": ["compare", str(REFERENCE), str(REFERENCE)],
+    }[command]
+
+
+@SMALL_BUDGET
+@given(
+    env=st.dictionaries(st.sampled_from(ENV_VARS), hostile, min_size=1, max_size=3),
+    command=st.sampled_from(["run", "run-ranks", "fit", "compare"]),
+)
+def test_any_environment_is_accepted_or_refused_on_one_line_and_keeps_the_report(env, command):
+    with scratch() as tmp, mock.patch.dict(os.environ, env):
+        kept = good_report(tmp / "out")
+        rc, out, err = call(command_argv(command, tmp / "out"))
+        check_refused_or_read(rc, out, err, {None, 0, 1} if command == "compare" else {None})
+        check_kept(kept)
+
+
+def _flag_values(flags: list[str]) -> Any:
+    """One to three ``--flag=value`` arguments (``=``: a value starting with '-' stays a value)."""
+    return st.lists(
+        st.tuples(st.sampled_from(flags), hostile).map(lambda fv: f"{fv[0]}={fv[1]}"), min_size=1, max_size=3
+    )
+
+
+@SMALL_BUDGET
+@given(flags=_flag_values([*RUN_FLAGS, "--config", "--ranks", "--jobs", "--all-ranks"]))
+def test_any_run_flags_are_accepted_or_refused_on_one_line_and_keep_the_report(flags):
+    with scratch() as tmp:
+        kept = good_report(tmp / "out")
+        rc, out, err = call(["run", *TINY, "--output-dir", str(tmp / "out"), *flags])
+        check_refused_or_read(rc, out, err, {None})
+        check_kept(kept)
+
+
+def _fit_flags() -> list[str]:
+    from hyperdryrun.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return sorted(
+        o
+        for a in sub.choices["fit"]._actions
+        for o in a.option_strings
+        if o.startswith("--") and o != "--help"
+    )
+
+
+@SMALL_BUDGET
+@given(flags=_flag_values(_fit_flags()))
+def test_any_fit_flags_are_accepted_or_refused_on_one_line(flags):
+    with scratch() as tmp, contextlib.chdir(tmp):
+        rc, out, err = call(["fit", *FIT_BASE, *flags])
+        check_refused_or_read(rc, out, err, {None})
+        assert files(tmp) == []  # --json/--csv are written after the search only
+
+
+HF_CONFIG = json.loads((ROOT / "src/hyperdryrun/models/hf_configs/llama-3.1-8b.json").read_text())
+
+
+@SMALL_BUDGET
+@given(config=mutated(HF_CONFIG, json_values), command=st.sampled_from(["run", "fit"]))
+def test_any_hf_config_is_accepted_or_refused_on_one_line(config, command):
+    pytest.importorskip("transformers")
+    with scratch() as tmp:
+        (tmp / "hf").mkdir()
+        (tmp / "hf" / "config.json").write_text(json.dumps(config))
+        model = ["--model", f"hf:{tmp / 'hf'}", "--seq-len", "64"]
+        argv = (
+            ["run", *model, "--output-dir", str(tmp / "out")]
+            if command == "run"
+            else ["fit", *model, *FIT_BASE[4:]]
+        )
+        rc, out, err = call(argv)
+        check_refused_or_read(rc, out, err, {None})
+        assert files(tmp) == ["hf/config.json"]
+
+
+@st.composite
+def output_paths(draw: Any, tmp: Path) -> str:
+    """A path where an output goes: free, an existing file or directory, under a file, missing parents."""
+    (tmp / "dir").mkdir(exist_ok=True)
+    (tmp / "file").write_text("a file\n")
+    base = draw(st.sampled_from(["free", "dir", "file", "file/under", "missing/deep/x", "dir/x", ""]))
+    return str(tmp / base) if base else draw(st.sampled_from(["/", "/proc/version", "/dev/null"]))
+
+
+@SMALL_BUDGET
+@given(
+    data=st.data(), command=st.sampled_from(["report-html", "report-plot", "snapshot", "fit-json", "fit-csv"])
+)
+def test_any_output_path_is_written_whole_or_refused_before_anything_is_written(data, command):
+    with scratch() as tmp:
+        path = data.draw(output_paths(tmp))
+        keep = tmp / "keep.html"
+        keep.write_text("keep\n")
+        before = {p: p.read_bytes() for p in tmp.rglob("*") if p.is_file()}
+        trace = str(FIXTURES / "tiny_step.trace.json.gz")
+        argv = {
+            "report-html": ["report", trace, "--html", path],
+            "report-plot": ["report", trace, "--html", str(keep), "--plot", path],
+            "snapshot": ["snapshot", trace, "-o", path],
+            "fit-json": ["fit", *FIT_BASE, "--json", path],
+            "fit-csv": ["fit", *FIT_BASE, "--csv", path],
+        }[command]
+        rc, out, err = call(argv)
+        check_refused_or_read(rc, out, err, {None, 0})
+        if rc != 0:  # refused (or fit accepted before its search): nothing written
+            assert {p: p.read_bytes() for p in tmp.rglob("*") if p.is_file()} == before
+
+
+REPLAY_ENV = """
+import json, os, sys
+from hyperdryrun.cli import main
+for env, argv in json.loads(open(sys.argv[1]).read()):
+    os.environ.update(env)
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    for k in env:
+        del os.environ[k]
+    print("rc", rc, flush=True)
+"""
+
+
+def test_hostile_variables_and_flags_in_a_capped_process(tmp_path):
+    """Variables and flags whose values are huge (100,000 digits, a 1e400 capacity, a world of 10**30 ranks) are
+    refused within a time and address-space cap, before any simulation, each on one line."""
+    out = str(tmp_path / "out")
+    cases = [
+        (
+            {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:" + "9" * 100_000},
+            ["run", *TINY, "--output-dir", out],
+        ),
+        (
+            {"WORLD_SIZE": "9" * 100_000},
+            ["fit", *FIT_BASE[:2], "--gpu", "h100-80gb", "--global-batch-seqs", "8"],
+        ),
+        ({"HYPERDRYRUN_MAX_NESTING": "9" * 100_000 + "x"}, ["compare", str(REFERENCE), str(REFERENCE)]),
+        ({}, ["run", *TINY, "--world-size", str(10**30), "--output-dir", out]),
+        ({}, ["fit", *FIT_BASE, "--device-memory-gib", "1e400"]),
+        ({}, ["fit", *FIT_BASE, "--peak-tflops", "1e308"]),
+    ]
+    cap = 3 << 30
+
+    def capped() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS and not k.startswith("HYPERDRYRUN_MAX_")}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    (tmp_path / "cases.json").write_text(json.dumps(cases))  # too long for an argument list
+    proc = subprocess.run(
+        [sys.executable, "-c", REPLAY_ENV, str(tmp_path / "cases.json")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=capped,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["rc", "2"] * len(cases), proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == len(cases) and all(line.startswith("hyperdryrun: error: ") for line in lines), lines
+    assert all(len(line) < 600 for line in lines)  # no value is echoed whole
+    assert not (tmp_path / "out").exists()

@@ -452,3 +452,296 @@ def test_a_yaml_file_with_a_nul_byte_is_one_line(capsys, tmp_path):
     # found by tests/test_fuzz.py: PyYAML's reader refuses the character while the loader is being made
     rc, err = run_config(b"\x00", capsys, tmp_path)
     assert_bad_input(rc, err, "--config", "is not valid YAML", "#x0000")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 23: the twelve defects of the hostile-input probe, each repro command as a test (in-process where the
+# check happens before any simulation; the closed pipe and the TP warning need a real process or step)
+# ---------------------------------------------------------------------------------------------------------
+
+T = ["--model", "llama-tiny", "--seq-len", "64"]
+FIT = [*T, "--gpu", "h100-80gb", "--global-batch-seqs", "8", "--no-cache"]
+
+
+class Simulated(BaseException):
+    """Raised instead of simulating or searching (a BaseException: no handler of the CLI eats it)."""
+
+
+@pytest.fixture
+def no_simulation(monkeypatch):
+    """``run``/``fit`` reach their simulation or search: stop there (every check of this section comes before)."""
+    import hyperdryrun.runner as runner
+    import hyperdryrun.search.fit as search
+
+    def stop(*args, **kwargs):
+        raise Simulated
+
+    for module, name in ((runner, "run_rank"), (runner, "run_ranks"), (search, "fit")):
+        monkeypatch.setattr(module, name, stop)
+
+
+def good_report(out: Path, ranks=(0,)) -> dict[str, bytes]:
+    """Files standing for a good earlier report under ``out``: what must stay byte for byte."""
+    files = {}
+    for r in ranks:
+        for name in ("memory.json", "memory.csv", "segments.csv"):
+            p = out / f"rank_{r}" / f"rank_{r}_{name}"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(f"good {r} {name}\n".encode())
+            files[str(p)] = p.read_bytes()
+    return files
+
+
+def unchanged(files: dict[str, bytes]) -> bool:
+    return all(Path(p).read_bytes() == data for p, data in files.items()) and not any(
+        p.name.endswith(".tmp") for f in files for p in Path(f).parent.iterdir()
+    )
+
+
+@pytest.mark.parametrize(
+    "ranks", [[], ["--ranks", "0,1", "--jobs", "2", "--world-size", "2"]], ids=["one", "ranks"]
+)
+def test_1_a_bad_alloc_conf_variable_is_refused_up_front_and_keeps_the_report(
+    ranks, tmp_path, capsys, monkeypatch, no_simulation
+):
+    out = tmp_path / "out"
+    kept = good_report(out, (0, 1))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "@@@")
+    rc, stdout, err = cli(["run", *T, *ranks, "--output-dir", str(out)], capsys)
+    assert_bad_input(rc, err, "$PYTORCH_CUDA_ALLOC_CONF", "'@@@'")
+    assert stdout == "" and unchanged(kept)
+    # --alloc-conf gives the settings: the variable is not read, as in the step
+    with pytest.raises(Simulated):
+        cli(["run", *T, "--alloc-conf", "expandable_segments:True", "--output-dir", str(out)], capsys)
+
+
+def test_2_a_bad_alloc_conf_variable_stops_fit_before_the_search(
+    tmp_path, capsys, monkeypatch, no_simulation
+):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "@@@")
+    rc, stdout, err = cli(["fit", *FIT, "--world-size", "2"], capsys)
+    assert_bad_input(rc, err, "$PYTORCH_CUDA_ALLOC_CONF", "'@@@'")
+    assert stdout == ""
+
+
+def test_2_a_candidate_failing_on_bad_input_stops_the_search():
+    """Bad input inside a candidate's step (every candidate passed the job's checks) is not the layout's: the search
+    stops with it instead of counting it as a failed layout and answering "no layout fits"."""
+    from hyperdryrun.cli import build_parser
+    from hyperdryrun.commands.fit import fit_job_from_args
+    from hyperdryrun.config import ConfigError
+    from hyperdryrun.search.cache import ResultCache
+    from hyperdryrun.search.executors import TaskResult
+    from hyperdryrun.search.fit import fit
+
+    class Refusing:
+        def imap(self, tasks):
+            for task in tasks:
+                yield TaskResult(task.key, error="ValueRuleError: no rule", error_kind="bad input")
+
+    args = build_parser().parse_args(["fit", *FIT, "--world-size", "2"])
+    with pytest.raises(ConfigError, match=r"rank \d+: ValueRuleError: no rule"):
+        fit(fit_job_from_args(args), Refusing(), ResultCache(None))
+
+
+def test_4_report_checks_every_output_before_writing_any(tmp_path, capsys):
+    run_dir = FIXTURES / "tiny_step.trace.json.gz"
+    keep = tmp_path / "keep.html"
+    keep.write_text("keep\n")
+    (tmp_path / "FILE").write_text("a file\n")
+    rc, _, err = cli(["report", str(run_dir), "--html", str(keep), "--plot", str(tmp_path / "FILE")], capsys)
+    assert_bad_input(rc, err, "--plot", "FILE", "not a directory")
+    assert keep.read_text() == "keep\n" and written(tmp_path) == ["FILE", "keep.html"]
+
+
+def test_9_report_html_naming_a_directory_is_one_line_without_a_temporary_name(tmp_path, capsys):
+    rc, _, err = cli(["report", str(FIXTURES / "tiny_step.trace.json.gz"), "--html", str(tmp_path)], capsys)
+    assert_bad_input(rc, err, "--html", "is a directory")
+    assert ".tmp" not in err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--csv"])
+def test_9_fit_outputs_are_checked_before_the_search(flag, tmp_path, capsys, no_simulation):
+    rc, _, err = cli(["fit", *FIT, "--world-size", "2", flag, str(tmp_path)], capsys)
+    assert_bad_input(rc, err, flag, "is a directory")
+
+
+def huge_int_cases(tmp_path: Path) -> dict[str, Path]:
+    memory = {
+        "ph": "i",
+        "name": "[memory]",
+        "ts": 1,
+        "pid": 1,
+        "tid": 1,
+        "args": {"Addr": 1, "Bytes": "BYTES"},
+    }
+    trace = json.dumps({"traceEvents": [memory]})
+    paths = {
+        "bytes 10**400": trace.replace('"BYTES"', str(10**400)),
+        "100,000 digits": trace.replace('"BYTES"', "9" * 100_000),
+    }
+    out = {}
+    for name, text in paths.items():
+        out[name] = tmp_path / f"{len(out)}.json"
+        out[name].write_text(text)
+    rows = [dict.fromkeys(CSV_COLUMNS, "0")]
+    rows[0].update(end_time_stamp="1", size=str(10**400), type="Activation", task_name="forward",
+                   user_tasks="{}", is_persistent="False", is_small="True", python_stack="")  # fmt: skip
+    out["csv size 10**400"] = tmp_path / "big.csv"
+    out["csv size 10**400"].write_text(csv_text(rows))
+    return out
+
+
+@pytest.mark.parametrize("command", ["compare", "snapshot"])
+def test_5_6_integers_no_step_has_are_refused_on_one_line(command, tmp_path, capsys):
+    for name, path in huge_int_cases(tmp_path).items():
+        argv = ["compare", str(path), str(path)] if command == "compare" else ["snapshot", str(path)]
+        rc, _, err = cli(argv, capsys)
+        assert_bad_input(rc, err, str(path), "out of range")
+        assert len(err) < 400, (name, err)  # the number is not echoed whole
+
+
+def shared_pickle(path: Path, segments: bool) -> Path:
+    """220 KB that unpickles into 10,000 references to one 100,000-entry list (issue 23, item 7)."""
+    if segments:
+        blocks = [{"address": 1, "size": 512, "state": "active_allocated"}] * 100_000
+        data = {"segments": [{"device": 0, "address": 1, "total_size": 512, "blocks": blocks}] * 10_000,
+                "device_traces": [[]]}  # fmt: skip
+    else:
+        entries = [{"action": "alloc", "addr": 1, "size": 512, "frames": []}] * 100_000
+        data = {"segments": [], "device_traces": [entries] * 10_000}
+    path.write_bytes(pickle.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["traces", "segments"])
+def test_7_shared_references_are_counted_before_anything_is_walked(segments, tmp_path, capsys):
+    import time
+
+    path = shared_pickle(tmp_path / "shared.pickle", segments)
+    assert path.stat().st_size < 300_000
+    t0 = time.perf_counter()
+    rc, _, err = cli(["compare", str(path), str(path)], capsys)
+    assert_bad_input(rc, err, "more than the limit of 5000000")
+    assert time.perf_counter() - t0 < 5  # was 33-43 s and a MemoryError
+
+
+def hf_config(tmp_path: Path, **changes) -> str:
+    from hyperdryrun.models.hf import CONFIG_DIR
+
+    data = json.loads((CONFIG_DIR / "llama-3.1-8b.json").read_text())
+    data.update(changes)
+    d = tmp_path / "hf"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+    return f"hf:{d}"
+
+
+@pytest.mark.parametrize(
+    ("changes", "needles"),
+    [
+        ({"model_type": "potato"}, ["field model_type", "'potato'"]),
+        ({"hidden_size": -64}, ["field hidden_size", "-64"]),
+        ({"hidden_size": None}, ["field hidden_size: missing"]),
+        ({"num_attention_heads": 7}, ["field num_attention_heads", "must divide hidden_size=4096"]),
+    ],
+    ids=["model-type", "negative", "missing", "heads"],
+)
+@pytest.mark.parametrize("command", ["run", "fit"])
+def test_10_a_bad_hf_config_names_the_file_and_field(
+    command, changes, needles, tmp_path, capsys, no_simulation
+):
+    pytest.importorskip("transformers")
+    model = hf_config(tmp_path, **changes)
+    argv = (
+        ["run", "--model", model, "--seq-len", "64"]
+        if command == "run"
+        else ["fit", "--model", model, *FIT[2:], "--world-size", "2"]
+    )
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, "config.json", *needles)
+
+
+@pytest.mark.parametrize(
+    ("env", "config"), [({"WORLD_SIZE": "2"}, None), ({}, "world: {world_size: 2}\n")], ids=["env", "config"]
+)
+def test_11_fit_takes_the_world_size_from_the_variable_or_the_config(
+    env, config, tmp_path, capsys, monkeypatch, no_simulation
+):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = ["fit", *FIT]
+    if config:
+        (tmp_path / "job.yaml").write_text(config)
+        argv += ["--config", str(tmp_path / "job.yaml")]
+    with pytest.raises(Simulated):
+        cli(argv, capsys)
+
+
+def test_11_fit_names_a_bad_world_size_variable_and_a_contradiction(capsys, monkeypatch, no_simulation):
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    assert_bad_input(*cli(["fit", *FIT], capsys)[::2], "WORLD_SIZE='abc'")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert_bad_input(*cli(["fit", *FIT, "--world-size", "2"], capsys)[::2], "--world-size 2", "WORLD_SIZE=4")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles", "absent"),
+    [
+        (
+            ["fit", *FIT, "--world-size", "2", "--peak-tflops", "-1"],
+            ["--peak-tflops", "(got -1.0)"],
+            "--peak-flops",
+        ),
+        (["fit", *FIT, "--world-size", "2", "--gpu", "potato"], ["'potato'", "h100-80gb"], "mi300x"),
+        (
+            ["run", *T, "--alloc-conf", "max_split_size_mb:99999999999999999999999"],
+            ["max_split_size_mb", "out of range"],
+            "Traceback",
+        ),
+    ],
+    ids=["peak-tflops", "gpu", "huge-alloc-conf"],
+)
+def test_messages_name_the_right_flag_and_value(argv, needles, absent, capsys, no_simulation):
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, *needles)
+    assert absent not in err
+
+
+def test_an_empty_config_file_is_refused_not_run_as_the_default_job(tmp_path, capsys, no_simulation):
+    for text in ("", "# nothing\n"):
+        rc, err = run_config(text, capsys, tmp_path)
+        assert_bad_input(rc, err, "is empty", "gives no job")
+
+
+def test_output_directory_errors_come_before_the_simulation(tmp_path, capsys, no_simulation):
+    (tmp_path / "a-file").write_text("x\n")
+    (tmp_path / "out" / "rank_0" / "rank_0_memory.json").mkdir(parents=True)
+    for out, needle in (
+        (tmp_path / "a-file" / "out", "is not a directory"),
+        (tmp_path / "out", "is a directory"),
+    ):
+        rc, _, err = cli(["run", *T, "--output-dir", str(out)], capsys)
+        assert_bad_input(rc, err, "--output-dir", needle)
+
+
+def test_fit_cache_dir_that_is_a_file_is_refused(tmp_path, capsys, no_simulation):
+    (tmp_path / "FILE").write_text("x\n")
+    rc, _, err = cli(["fit", *FIT[:-1], "--world-size", "2", "--cache-dir", str(tmp_path / "FILE")], capsys)
+    assert_bad_input(rc, err, "--cache-dir", "not a directory")
+
+
+def test_12_torch_warnings_of_the_step_go_to_the_limitations_once_with_their_count(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc, _, err = cli(
+        ["run", *T, "--world-size", "2", "--tp", "2", "--quiet", "--output-dir", str(out)], capsys
+    )
+    assert rc == 0 and err == "", err  # nothing from torch on the terminal
+    limitations = json.loads((out / "rank_0" / "rank_0_memory.json").read_text())["limitations"]
+    warned = [line for line in limitations if line.startswith("warned during the simulated step")]
+    # FSDP2's check in _register_pre_backward_hook (torch 2.13 _fsdp_state.py): the embedding returns a view, once
+    # per forward of the FSDP-wrapped embedding (one micro batch)
+    assert warned == [w for w in warned if "FSDP2-wrapped module (FSDPEmbedding) returned a view tensor" in w]
+    assert len(warned) == 1 and warned[0].startswith(
+        "warned during the simulated step (1 time): UserWarning:"
+    )

@@ -120,16 +120,17 @@ def test_a_bug_in_a_worker_is_an_internal_error_with_its_traceback_and_no_file(t
     assert not (tmp_path / "out").exists()
 
 
-def test_a_missing_value_rule_is_bad_input_with_an_error_report(tmp_path):
-    (o,) = run_ranks(job(tmp_path), [0], execute=missing_value_rule)
+def test_a_missing_value_rule_is_bad_input_that_keeps_the_earlier_report(tmp_path):
+    # issue 23: bad input (the user's to fix) writes no error report, so a good report of an earlier run stays
     path = tmp_path / "out" / "rank_0" / "rank_0_memory.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"earlier": true}\n')
+    (o,) = run_ranks(job(tmp_path), [0], execute=missing_value_rule)
     assert o.error_kind == BAD_INPUT
-    assert (
-        o.error
-        == f"rank 0: step failed: ValueRuleError: aten.nonzero in module 'pick': add a rule (report: {path})"
-    )
-    assert o.report["status"] == "error" and o.paths == [str(path)]
+    assert o.error == "rank 0: step failed: ValueRuleError: aten.nonzero in module 'pick': add a rule"
+    assert o.report["status"] == "error" and o.paths == []
     assert set(files(tmp_path / "out")) == {"rank_0/rank_0_memory.json"}
+    assert path.read_text() == '{"earlier": true}\n'
 
 
 def test_a_worker_that_dies_is_an_internal_error(tmp_path):

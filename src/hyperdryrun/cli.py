@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from hyperdryrun.commands import (
     EXIT_SIGINT,
@@ -27,6 +29,7 @@ from hyperdryrun.commands import run as run_command
 from hyperdryrun.commands import snapshot as snapshot_command
 from hyperdryrun.commands import torchtitan as torchtitan_command
 from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, config_from_args  # noqa: F401  (public re-exports)
+from hyperdryrun.commands.preflight import check_limits
 from hyperdryrun.version import __version__
 
 COMMANDS = [
@@ -56,6 +59,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_gone() -> int:
+    """Exit code 141 for a stdout whose reader went away, with stdout pointed at /dev/null so that Python's own
+    flush at exit has nothing left to fail on."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_SIGPIPE
+
+
+@contextlib.contextmanager
+def broken_pipe_raises() -> Iterator[None]:
+    """While inside, rich's consoles raise :class:`BrokenPipeError` when stdout's reader has gone (``| head``), as
+    ``print`` does, so that :func:`main` exits 141: rich's default ``Console.on_broken_pipe`` raises
+    ``SystemExit(1)``, the exit code of a failed verdict. The method comes back on exit."""
+    from rich.console import Console
+
+    previous = Console.on_broken_pipe
+
+    def on_broken_pipe(self: Console) -> None:
+        self.quiet = True  # nothing more from this console
+        raise BrokenPipeError(errno.EPIPE, "stdout was closed by its reader")
+
+    Console.on_broken_pipe = on_broken_pipe  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Console.on_broken_pipe = previous  # type: ignore[method-assign]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command and return its exit code (see :mod:`hyperdryrun.commands`): what escapes a command is an
     internal error on one line, Ctrl-C and SIGTERM one line each."""
@@ -63,9 +93,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = None
     try:
-        with sigterm_raises():
+        with sigterm_raises(), broken_pipe_raises():
             args = build_parser().parse_args(argv)
-            return args.func(args)
+            check_limits()  # every command reads files or simulates within these: refuse a bad one first
+            code = args.func(args)
+            sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit
+            return code
+    except (
+        SystemExit
+    ):  # argparse's --help, --version and usage errors: what they printed must reach its reader too
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            return _stdout_gone()
+        raise
     except KeyboardInterrupt:
         sys.stderr.write("hyperdryrun: interrupted (SIGINT)\n")
         return EXIT_SIGINT
@@ -73,10 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("hyperdryrun: terminated (SIGTERM)\n")
         return EXIT_SIGTERM
     except BrokenPipeError:  # stdout's reader went away (``| head``): as a shell would, quietly
-        os.dup2(
-            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
-        )  # no second error when Python flushes it
-        return EXIT_SIGPIPE
+        return _stdout_gone()
     except Exception as err:
         debug = bool(getattr(args, "debug", False))
         if error_kind(err) == BAD_INPUT:

@@ -14,7 +14,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hyperdryrun.ingest.files import CONFIG_BYTES, NESTING, YAML_NODES, IngestError, read_bytes
+from hyperdryrun.ingest.files import (
+    CONFIG_BYTES,
+    NESTING,
+    YAML_NODES,
+    IngestError,
+    bounded_int,
+    read_bytes,
+    shown,
+)
 from hyperdryrun.models import hf
 from hyperdryrun.models.registry import ModelFamily, family_of, preset_names
 from hyperdryrun.parallel.dims import ParallelDims, PipelineSchedule, stages_per_rank
@@ -594,8 +602,11 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     finally:
         if loader is not None:
             loader.dispose()
-    if data is None:
-        return {}
+    if data is None or data == {}:
+        # an empty file (or one holding only comments) would run the default job, which no one meant
+        raise ConfigError(
+            f"{where} is empty: it gives no job (write at least one section, e.g. 'model: {{name: llama3-8b}}')"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {str(p)!r} must hold a mapping, got {type(data).__name__}")
     return data
@@ -615,9 +626,10 @@ def rank_from_env(environ: Mapping[str, str] | None = None) -> dict[str, int]:
             continue
         raw = env[var]
         try:
-            out[key] = int(raw)
-        except ValueError:
-            raise ConfigError(f"{var}={raw!r} is not an integer") from None
+            out[key] = bounded_int(raw)
+        except ValueError as err:
+            why = "is out of range (2**64 or more)" if "out of range" in str(err) else "is not an integer"
+            raise ConfigError(f"{var}={shown(raw)} {why}") from None
     for key, var, least in (
         ("world_size", "WORLD_SIZE", 1),
         ("rank", "RANK", 0),

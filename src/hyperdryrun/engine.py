@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
@@ -246,7 +247,7 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
     world = plan.world()
     stages = ["world"]
     try:
-        with world, PatchSet(dtensor_speedups()):
+        with world, PatchSet(dtensor_speedups()), warnings_as_limitations() as warned:
             model, optimizer = prepare(world, plan, stages)
             with world.fake():
                 timings["setup"] = time.perf_counter() - t0
@@ -276,11 +277,35 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
                 ]
                 trace.timings = timings
                 del model, optimizer
+            trace.limitations += warned()  # what torch (or the model code) warned, once each, counted
     except SimulationError:
         raise
     except Exception as err:
         raise SimulationError(stages[-1], err) from err
     return trace
+
+
+@contextlib.contextmanager
+def warnings_as_limitations() -> Iterator[Callable[[], list[str]]]:
+    """Record every Python warning raised inside (torch's ``UserWarning`` that an FSDP2 module returned a view,
+    transformers' deprecations, ...) instead of printing it: a warning from inside the simulated step is about the
+    simulation's model code, not the user's terminal, so it goes into the report's limitations, once per distinct
+    warning, with how many times it was raised. Yields a function returning those lines; the warning filters
+    come back on exit (``warnings.catch_warnings``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every occurrence reaches the record, so the count is true
+
+        def lines() -> list[str]:
+            counts: dict[str, int] = {}
+            for w in caught:
+                text = f"{w.category.__name__}: {str(w.message).strip()}"
+                counts[text] = counts.get(text, 0) + 1
+            return [
+                f"warned during the simulated step ({n} time{'s' if n > 1 else ''}): {' '.join(text.split())}"
+                for text, n in counts.items()
+            ]
+
+        yield lines
 
 
 def run_metadata(world: SimulatedWorld, plan: JobPlan, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -126,10 +126,14 @@ def _simulate(cfg: JobConfig, capture_stacks: bool, execute: Execute | None, mod
 
 
 def _write(done: _Computed, output_dir: str, reporters: Sequence[str]) -> RankOutcome:
-    """Write a computed rank with ``reporters``; an unwritable output directory is the user's to fix."""
+    """Write a computed rank with ``reporters``; an unwritable output directory is the user's to fix. A rank that
+    failed on bad input writes nothing: its one-line error says all there is, and the report an earlier run left
+    there stays (an internal failure writes its error report, the evidence for a bug report)."""
     rank, error, kind, tb = done.rank, done.error, done.kind, done.traceback
     if done.result is None:
         return RankOutcome(rank, error=error, error_kind=kind, traceback=tb)
+    if error is not None and kind == BAD_INPUT:
+        return RankOutcome(rank, done.result.report, [], error, kind, tb, done.result.trace)
     trace = done.result.trace
     try:
         paths = [str(p) for p in write_rank_reports(done.result, output_dir, reporters)]

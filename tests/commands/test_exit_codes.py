@@ -132,7 +132,7 @@ def test_a_rank_that_fails_on_bad_input_in_a_worker_exits_2(tmp_path):
         "routing rule counts=[1, 2, 3] must have 4 entries" in err and "(and 1 more of 2 ranks failed)" in err
     )
     assert "rerun with --debug" not in err
-    assert files_under(out) == {"rank_0/rank_0_memory.json", "rank_1/rank_1_memory.json"}  # error reports
+    assert files_under(out) == set()  # bad input writes no error report (an earlier good one would stay)
 
 
 @pytest.mark.parametrize(
@@ -192,3 +192,60 @@ def test_a_failure_beats_a_verdict_and_internal_beats_bad_input(ranks, code, lin
     assert exit_code_of(ranks) == code
     err = capsys.readouterr().err
     assert err == (f"hyperdryrun: error: {line}\n" if line else "")
+
+
+REPORT_JSON = "out/rank_0/rank_0_memory.json"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["compare", str(TRACE), str(TRACE)],
+        ["compare", str(TRACE), str(TRACE), "--json"],
+        ["snapshot", str(TRACE), "-o", "s.pickle"],
+        ["report", str(TRACE), "--html", "page.html"],
+        ["audit-kernels"],
+        ["run", *TINY, "--output-dir", "out"],
+        ["run", *TINY, "--ranks", "0,1", "--jobs", "2", "--output-dir", "out"],
+        [
+            "fit",
+            "--model",
+            "llama-tiny",
+            "--seq-len",
+            "32",
+            "--world-size",
+            "2",
+            "--gpu",
+            "h100-80gb",
+            "--global-batch-seqs",
+            "4",
+            "--no-cache",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--jobs",
+            "1",
+        ],  # fmt: skip
+        ["run", "--help"],
+    ],
+    ids=["compare", "compare-json", "snapshot", "report", "audit-kernels", "run", "run-ranks", "fit", "help"],
+)
+def test_a_closed_stdout_exits_141_silently(tmp_path, argv):
+    """``hyperdryrun ... | head -1`` (issue 23): the reader has gone before the first line is written (its end of the
+    pipe closed at once), so every write fails with EPIPE; the exit code is 141 as a shell reports SIGPIPE, never 1
+    (rich's own broken-pipe handler exits 1, the code of a failed verdict), with nothing on stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRIVER.format(patch=""), *argv],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err
+    assert err == ""

@@ -173,7 +173,7 @@ def test_bad_model_names_and_fields_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"model.name: --model hf:nope: no shipped config 'nope'"):
         build_config({"model": {"name": "hf:nope"}})
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match=r"--model hf:.*config.json' is not valid JSON"):
+    with pytest.raises(ConfigError, match=r"--model hf:.*config.json: invalid or truncated JSON at line 1"):
         build_config({"model": {"name": f"hf:{tmp_path}"}})
     with pytest.raises(ConfigError, match="model.attn_implementation=eager applies to Hugging Face models"):
         build_config({"model": {"name": "llama-tiny", "attn_implementation": "eager"}})

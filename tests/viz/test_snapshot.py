@@ -84,9 +84,30 @@ def test_allocated_bytes_peak_at_the_reported_peak(snap: dict, rank0_json: Path)
     back) peaks at the report's peak bytes, at its peak task, with its categories; cudaMalloc'd bytes too."""
     report = json.loads(rank0_json.read_text())
     (trace,) = [t for t in snap["device_traces"] if t]
-    allocated = reserved = best = best_reserved = 0
+    # What existed before the record (the model's blocks, issue 23): never allocated in the trace, so either in
+    # the final segments or freed without an alloc, as MemoryViz.js takes them.
+    live: dict[int, tuple[int, str]] = {
+        b["address"]: ((b["size"] + 511) // 512 * 512, b["category"])
+        for seg in snap["segments"]
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated"
+    }
+    for e in reversed(trace):  # undo the record: what is live at its start
+        rounded = (e["size"] + 511) // 512 * 512
+        if e["action"] == "alloc":
+            live.pop(e["addr"])
+        elif e["action"] == "free_requested":
+            live[e["addr"]] = (rounded, "unknown")
+    before = {s["address"]: s["total_size"] for s in snap["segments"]}
+    for e in reversed(trace):
+        if e["action"] == "segment_alloc":
+            before.pop(e["addr"])
+        elif e["action"] == "segment_free":
+            before[e["addr"]] = e["size"]
+    assert {c for _, c in live.values()} <= {"Parameter", "Buffer", "Optstate"}  # the model, not the step
+    allocated = best = sum(n for n, _ in live.values())
+    reserved = best_reserved = sum(before.values())
     best_task = -1
-    live: dict[int, tuple[int, str]] = {}
     at_best: dict[str, int] = {}
     for e in trace:
         rounded = (e["size"] + 511) // 512 * 512
@@ -137,8 +158,22 @@ def test_trace_replays_as_the_web_viewer_does(snap: dict, snapshot_path: Path) -
     ops = {op.name for op, _, _ in pickletools.genops(snapshot_path.read_bytes())}
     assert ops <= MEMORY_VIZ_OPCODES, ops - MEMORY_VIZ_OPCODES
     (trace,) = [t for t in snap["device_traces"] if t]
-    segs: dict[int, int] = {}
-    blocks: dict[int, int] = {}
+    # the record begins after the model was built: its segments and blocks are there before the first entry
+    allocs = {e["addr"] for e in trace if e["action"] == "alloc"}
+    seg_allocs = {e["addr"] for e in trace if e["action"] == "segment_alloc"}
+    frees = {
+        e["addr"]: e["size"] for e in trace if e["action"] == "free_requested" and e["addr"] not in allocs
+    }
+    segs: dict[int, int] = {
+        s["address"]: s["total_size"] for s in snap["segments"] if s["address"] not in seg_allocs
+    }
+    blocks: dict[int, int] = {
+        b["address"]: b["size"]
+        for s in snap["segments"]
+        for b in s["blocks"]
+        if b["state"] == "active_allocated" and b["address"] not in allocs
+    }
+    blocks.update({a: (n + 511) // 512 * 512 for a, n in frees.items()})
     pending: set[int] = set()
     last_time = -1
     for e in trace:
@@ -296,3 +331,17 @@ def test_a_cuda_reports_reserved_line_peaks_at_its_reserved_peak(tmp_path):
     assert max(side.series["reserved"]) == summary["peak_reserved_bytes"]
     assert max(side.series["device"]) == summary["peak_device_bytes"]
     assert len(side.series["reserved"]) == side.trace.num_tasks
+
+
+def test_a_report_and_its_own_snapshot_compare_equal(snapshot_path: Path, rank0_json: Path, capsys) -> None:
+    """Issue 23: the snapshot's record begins after the model was built, as a measured one does, so both sides have
+    the same baseline (the model) and the same peak: exit 0, judged on the whole peak, not on the step alone."""
+    capsys.readouterr()
+    assert main(["compare", str(rank0_json), str(snapshot_path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    report = json.loads(rank0_json.read_text())
+    assert result["peak"]["diff"] == 0 and result["within_tolerance"]
+    assert result["judged_on"] != "step_only"
+    assert (
+        result["b"]["initial_bytes"] == result["a"]["initial_bytes"] == report["summary"]["initial_bytes"] > 0
+    )

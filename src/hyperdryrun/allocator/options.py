@@ -137,7 +137,10 @@ class _Parser:
         self.values: dict[str, object] = {}
 
     def error(self, key: str, message: str, value: object) -> AllocatorConfigError:
-        return AllocatorConfigError(f"{self.source}: {key}: {message} (got {value!r})")
+        shown = repr(value)
+        if len(shown) > 80:  # a hostile value stays one readable line
+            shown = f"{shown[:60]}... ({len(str(value)):,} characters)"
+        return AllocatorConfigError(f"{self.source}: {key}: {message} (got {shown})")
 
     def token(self, i: int, key: str) -> str:
         if i >= len(self.tokens):
@@ -153,6 +156,9 @@ class _Parser:
         text = self.token(i, key)
         if not _UINT.fullmatch(text):
             raise self.error(key, "expected a non-negative integer", text)
+        if len(text.lstrip("0")) > len(str(SIZE_MAX)) or int(text) > SIZE_MAX:
+            # torch reads it with std::stoull, which throws out_of_range beyond 2**64 - 1
+            raise self.error(key, f"out of range (more than {SIZE_MAX})", text)
         return int(text)
 
     def real(self, i: int, key: str) -> float:

@@ -39,6 +39,12 @@ class OneLineParser(argparse.ArgumentParser):
         sys.stderr.write(f"hyperdryrun: error: {message}\n")
         raise SystemExit(EXIT_BAD_INPUT)
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        """argparse's, without its ``except OSError: pass``: ``--help | head -1`` must see the closed pipe (exit
+        141), not exit 0 as if the help had been read."""
+        if message:
+            (file or sys.stderr).write(message)
+
 
 def fail(message: str, err: BaseException | None = None, debug: bool = False) -> int:
     """Print ``hyperdryrun: error: <one line>`` (the traceback first with ``--debug``) and return exit code 2."""

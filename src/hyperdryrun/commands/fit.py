@@ -7,12 +7,16 @@ import argparse
 import csv
 import io
 import json
+import math
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
 from hyperdryrun.commands.job import _BOOL, FLAG_OF, RUN_FLAGS, _dest, _set
-from hyperdryrun.config import ConfigError, build_config, load_yaml
+from hyperdryrun.commands.preflight import check_output_dir, check_output_file
+from hyperdryrun.config import ConfigError, build_config, load_yaml, rank_from_env
 from hyperdryrun.search.space import DEFAULT_TOP
 
 SEARCHED = {
@@ -130,12 +134,15 @@ def _base_job(args: argparse.Namespace) -> dict[str, Any]:
                 sec, leaf = path.split(".")
                 if sec == section:
                     node.pop(leaf, None)
+    world = data.get("world")
+    if isinstance(world, dict):  # the search sets the rank of each class
+        world.pop("rank", None)
+        world.pop("local_rank", None)
     for flag, (path, _, _) in JOB_FLAGS.items():
         value = getattr(args, _dest(flag))
         if value is not None:
             _set(data, path, value)
-    if args.world_size is None:
-        raise ConfigError("--world-size: required (the ranks of the job to lay out)")
+    _world_size(data, args)
     try:
         cfg = build_config(data)
     except ConfigError as err:
@@ -144,9 +151,30 @@ def _base_job(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(
             f"{field} ({FLAG_OF[field]}){msg[len(field) :]}" if field in FLAG_OF else msg
         ) from None
+    from hyperdryrun.commands.preflight import check_job_environment
     from hyperdryrun.search.space import base_job
 
+    check_job_environment(cfg)  # every candidate's step reads it: a bad one is the user's, not a layout's
     return base_job(cfg)
+
+
+def _world_size(data: dict[str, Any], args: argparse.Namespace) -> None:
+    """The world to lay out, as ``run`` takes it: ``--world-size``, else ``$WORLD_SIZE``, else ``world.world_size``
+    of ``--config``; a flag that contradicts the variable is an error, as in ``run``."""
+    env = rank_from_env().get("world_size")
+    if args.world_size is not None and env is not None and env != args.world_size:
+        raise ConfigError(
+            f"--world-size {args.world_size} conflicts with WORLD_SIZE={env} in the environment: drop one, or "
+            "give the same value"
+        )
+    size = args.world_size if args.world_size is not None else env
+    if size is not None:
+        _set(data, "world.world_size", size)
+    elif (data.get("world") or {}).get("world_size") is None:
+        raise ConfigError(
+            "--world-size: required (the ranks of the job to lay out; or $WORLD_SIZE, or world.world_size in "
+            "--config)"
+        )
 
 
 def _space(args: argparse.Namespace, is_moe: bool) -> Any:
@@ -173,8 +201,10 @@ def _capacity(args: argparse.Namespace) -> tuple[int, str | None]:
             "--gpu or --device-memory-gib: give the device (a GPU preset or its capacity in GiB)"
         )
     if args.device_memory_gib is not None:
-        if not args.device_memory_gib > 0:
-            raise ConfigError(f"--device-memory-gib: must be > 0 (got {args.device_memory_gib})")
+        if not (args.device_memory_gib > 0 and math.isfinite(args.device_memory_gib * GiB)):
+            raise ConfigError(
+                f"--device-memory-gib: must be a finite number > 0 (got {args.device_memory_gib})"
+            )
     if args.gpu is not None:
         try:
             preset = gpu_preset(args.gpu)
@@ -207,16 +237,18 @@ def _rates(args: argparse.Namespace, gpu: str | None) -> Any:
         rates = rates_for(gpu)
     except ValueError as err:
         raise ConfigError(f"--gpu: {err}") from None
-    over = {
-        "peak_flops": None if args.peak_tflops is None else args.peak_tflops * 1e12,
-        "hbm_bytes_per_s": None if args.hbm_gbps is None else args.hbm_gbps * GB,
-        "intra_node_bytes_per_s": None if args.intra_node_gbps is None else args.intra_node_gbps * GB,
-        "inter_node_bytes_per_s": None if args.inter_node_gbps is None else args.inter_node_gbps * GB,
-        "gpus_per_node": args.gpus_per_node,
+    given = {  # field: (its flag, the value given, the factor to the field's unit)
+        "peak_flops": ("--peak-tflops", args.peak_tflops, 1e12),
+        "hbm_bytes_per_s": ("--hbm-gbps", args.hbm_gbps, GB),
+        "intra_node_bytes_per_s": ("--intra-node-gbps", args.intra_node_gbps, GB),
+        "inter_node_bytes_per_s": ("--inter-node-gbps", args.inter_node_gbps, GB),
+        "gpus_per_node": ("--gpus-per-node", args.gpus_per_node, 1),
     }
-    for name, value in over.items():
-        if value is not None and not value > 0:
-            raise ConfigError(f"--{name.replace('_', '-')}: must be > 0 (got {value})")
+    over = {}
+    for name, (flag, value, factor) in given.items():
+        if value is not None and not (value > 0 and math.isfinite(value * factor)):
+            raise ConfigError(f"{flag}: must be a finite number > 0 (got {value})")
+        over[name] = None if value is None else value * factor
     return rates.with_overrides(**over)
 
 
@@ -252,37 +284,36 @@ def run_fit(args: argparse.Namespace) -> int:
 
     try:
         job = fit_job_from_args(args)
+        if args.cache_dir is not None and not args.no_cache:
+            check_output_dir(args.cache_dir, "--cache-dir")
         cache = ResultCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
-        for path in (args.json, args.csv):
+        for flag, path in (("--json", args.json), ("--csv", args.csv)):
             if path:
-                _check_writable(path)
+                check_output_file(path, flag)
+        if args.json and args.csv and os.path.abspath(args.json) == os.path.abspath(args.csv):
+            raise ConfigError(f"--json and --csv: both name {args.json!r}; give two files")
         executor = executor_for(args.executor, args.jobs, args.ray_address)
     except (ConfigError, ValueError) as err:
         return fail(str(err), err, args.debug)
-    with _progress(not args.quiet and sys.stderr.isatty()) as on_progress:
-        outcome = fit(job, executor, cache, on_progress)
+    try:
+        with _progress(not args.quiet and sys.stderr.isatty()) as on_progress:
+            outcome = fit(job, executor, cache, on_progress)
+    except ConfigError as err:  # a candidate failed for a reason that is not its layout's
+        return fail(str(err), err, args.debug)
+    files: list[tuple[Path, str | bytes]] = []
     if args.json:
-        _write(args.json, json.dumps(outcome_dict(outcome), indent=1) + "\n")
+        files.append((Path(args.json), json.dumps(outcome_dict(outcome), indent=1) + "\n"))
     if args.csv:
-        _write(args.csv, outcome_csv(outcome))
+        files.append((Path(args.csv), outcome_csv(outcome)))
+    if files:
+        from hyperdryrun.report.writer import write_together
+
+        try:
+            write_together(files)  # both or neither
+        except OSError as err:
+            return fail(f"cannot write {err.filename or ''} ({err.strerror or err})", err, args.debug)
     print_outcome(outcome, quiet=args.quiet, written=[p for p in (args.json, args.csv) if p])
     return EXIT_OK if outcome.ranked() else EXIT_VERDICT
-
-
-def _check_writable(path: str) -> None:
-    import os
-
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ConfigError(f"{path!r}: cannot write there (no such directory or no permission)")
-
-
-def _write(path: str, text: str) -> None:
-    from pathlib import Path
-
-    from hyperdryrun.report.writer import atomic_write
-
-    atomic_write(Path(path), text)
 
 
 class _progress:

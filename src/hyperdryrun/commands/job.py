@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from hyperdryrun.commands.preflight import WORLD_SIZE, check_job_environment, check_output_dir
 from hyperdryrun.config import TORCHRUN_VARS, ConfigError, JobConfig, build_config, load_yaml, rank_from_env
-from hyperdryrun.ingest.files import Limit
 from hyperdryrun.models.hf import HF_PREFIX, shipped_configs
 from hyperdryrun.models.registry import presets_help
 
@@ -297,9 +297,14 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
     return build_config(data)
 
 
-def job_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> JobConfig:
+def job_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None, warnings: list[str] | None = None
+) -> JobConfig:
     """Like :func:`config_from_args`, with the failing field's flag named beside it (``training.seq_len
-    (--seq-len): ...``), and the simulation's host cost checked before anything runs (:func:`check_host_cost`)."""
+    (--seq-len): ...``); the environment the step reads, the output directory and the simulation's host cost
+    are checked before anything runs (:mod:`hyperdryrun.commands.preflight`, :func:`check_host_cost`). Its warning
+    lines go to ``warnings`` when given (a command prints them once its own checks pass, so that bad input stays one
+    line), else to stderr."""
     try:
         cfg = config_from_args(args, environ)
     except ConfigError as err:
@@ -308,13 +313,22 @@ def job_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = 
         if field in FLAG_OF:
             msg = f"{field} ({FLAG_OF[field]}){msg[len(field) :]}"
         raise ConfigError(msg) from None
-    for line in check_host_cost(cfg, ranks_asked(args, cfg.world.world_size), getattr(args, "jobs", None)):
-        sys.stderr.write(f"hyperdryrun: warning: {line}\n")
+    check_job_environment(cfg, environ)
+    check_output_dir(cfg.output_dir, "--output-dir")
+    lines = check_host_cost(cfg, ranks_asked(args, cfg.world.world_size), getattr(args, "jobs", None))
+    if warnings is not None:
+        warnings += lines
+    else:
+        print_warnings(lines)
     return cfg
 
 
+def print_warnings(lines: list[str]) -> None:
+    for line in lines:
+        sys.stderr.write(f"hyperdryrun: warning: {line}\n")
+
+
 # --- host cost: what a simulation costs this machine before it starts -------------------------------------------
-WORLD_SIZE = Limit("HYPERDRYRUN_MAX_WORLD_SIZE", 65_536, "the world size a run simulates")
 MESH_SECONDS_PER_RANK = 0.35e-3
 """torch 2.13's DeviceMesh creates a process group per mesh dimension per group of ranks: its setup grows with the
 world size (measured: 7 s for 20,000 ranks on a 2-core machine)."""

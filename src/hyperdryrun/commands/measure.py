@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail
-from hyperdryrun.commands.job import add_job_arguments, job_from_args
+from hyperdryrun.commands.job import add_job_arguments, job_from_args, print_warnings
+from hyperdryrun.commands.preflight import check_rank_outputs
 from hyperdryrun.config import ConfigError
 
 CPU_ONLY_NOTE = (
@@ -147,10 +148,13 @@ def measure_command(args: argparse.Namespace) -> int:
     from hyperdryrun.report.console import print_summary
     from hyperdryrun.runner import run_rank
 
+    warnings: list[str] = []
     try:
-        cfg = job_from_args(args)
+        cfg = job_from_args(args, warnings=warnings)
+        check_rank_outputs(cfg.output_dir, [cfg.world.rank])
     except ConfigError as err:
         return fail(str(err), err, args.debug)
+    print_warnings(warnings)
     from hyperdryrun.measure.step import unsupported
 
     why = unsupported(cfg) or (

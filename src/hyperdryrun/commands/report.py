@@ -55,15 +55,20 @@ def default_html(path: str, compare: bool = False) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the pictures, write the page and the plots; 2 with a one-line error on bad input or output."""
+    """Check every output, load the pictures, draw the page and the plots, write them together; 2 with a one-line
+    error on bad input or output (nothing written then)."""
     from hyperdryrun.commands import EXIT_OK, fail
+    from hyperdryrun.commands.preflight import check_output_dir, check_output_file
+    from hyperdryrun.config import ConfigError
     from hyperdryrun.viz import VizInputError
     from hyperdryrun.viz.plots import MissingExtra
 
     compare = args.compare is not None
     html = Path(args.html) if args.html else default_html(args.input, compare)
     try:
+        check_output_file(html, "--html" if args.html else f"the page ({html})", make_parent=True)
         if args.plot is not None:
+            check_output_dir(args.plot, "--plot")
             from hyperdryrun.viz.plots import require_matplotlib
 
             require_matplotlib()  # before anything is written
@@ -75,17 +80,22 @@ def run(args: argparse.Namespace) -> int:
             sides = a + b
         else:
             sides = _sides(args.input, args.device)
-        from hyperdryrun.viz.html import write_html
+        from hyperdryrun.report.writer import write_together
+        from hyperdryrun.viz.html import render_html
 
-        written = [write_html(sides, html, compare=compare)]
+        files: list[tuple[Path, str | bytes]] = [(html, render_html(sides, compare).encode("utf-8"))]
         if args.plot is not None:
-            from hyperdryrun.viz.plots import write_plots
+            from hyperdryrun.viz.plots import render_plots
 
-            written += write_plots(sides, args.plot, compare=compare)
-    except (VizInputError, MissingExtra) as err:
+            plots = render_plots(sides, args.plot, compare=compare)
+            for path, _ in plots:
+                check_output_file(path, "--plot", make_parent=True)
+            files += plots
+        write_together(files)  # all or none: an earlier page and plots stay if one cannot be written
+    except (VizInputError, MissingExtra, ConfigError) as err:
         return fail(str(err), err, args.debug)
     except OSError as err:
         return fail(f"cannot write {err.filename or ''} ({err.strerror or err})", err, args.debug)
-    for p in written:
+    for p, _ in files:
         print(f"wrote {p}")
     return EXIT_OK

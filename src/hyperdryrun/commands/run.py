@@ -4,10 +4,12 @@ process) and write the reports."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail
-from hyperdryrun.commands.job import add_job_arguments, job_from_args
+from hyperdryrun.commands.job import add_job_arguments, job_from_args, print_warnings
+from hyperdryrun.commands.preflight import check_output_file, check_rank_outputs
 from hyperdryrun.config import ConfigError
 
 
@@ -63,21 +65,25 @@ def run(args: argparse.Namespace) -> int:
     from hyperdryrun.report.console import print_ranks, print_summary
     from hyperdryrun.runner import run_rank, run_ranks
 
+    warnings: list[str] = []
     try:
-        cfg = job_from_args(args)
+        cfg = job_from_args(args, warnings=warnings)
         ranks = parse_ranks(args, cfg.world.world_size)
         if ranks is not None and args.rank is not None:
             raise ConfigError("--rank and --ranks/--all-ranks: give one of them")
         if args.jobs is not None and args.jobs < 1:
             raise ConfigError(f"--jobs: must be >= 1 (got {args.jobs})")
+        classes = None
+        if args.all_ranks:
+            from hyperdryrun.search.classes import rank_classes
+
+            classes = rank_classes(cfg)
+            ranks = [c.representative for c in classes]
+            check_output_file(Path(cfg.output_dir) / "rank_classes.json", "--output-dir", make_parent=True)
+        check_rank_outputs(cfg.output_dir, [cfg.world.rank] if ranks is None else ranks)
     except ConfigError as err:
         return fail(str(err), err, args.debug)
-    classes = None
-    if args.all_ranks:
-        from hyperdryrun.search.classes import rank_classes
-
-        classes = rank_classes(cfg)
-        ranks = [c.representative for c in classes]
+    print_warnings(warnings)
     if ranks is not None:
         outcomes = run_ranks(
             cfg,

@@ -33,10 +33,13 @@ def default_output(path: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     """Load, convert, write; 2 with a one-line error on bad input or an unwritable output."""
     from hyperdryrun.commands import EXIT_OK, fail
+    from hyperdryrun.commands.preflight import check_output_file
+    from hyperdryrun.config import ConfigError
     from hyperdryrun.viz import SnapshotError, VizInputError, load_side, write_snapshot
 
     out = Path(args.output) if args.output else default_output(args.input)
     try:
+        check_output_file(out, "--output", make_parent=True)  # before the input is read and converted
         side = load_side(args.input, device=args.device)
         if side.trace is None:
             raise VizInputError(
@@ -44,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
                 "a snapshot needs every block"
             )
         write_snapshot(side.trace, side.report, out)
-    except (VizInputError, SnapshotError) as err:
+    except (VizInputError, SnapshotError, ConfigError) as err:
         return fail(str(err), err, args.debug)
     except OSError as err:
         return fail(f"--output {out}: cannot write ({err.strerror or err})", err, args.debug)

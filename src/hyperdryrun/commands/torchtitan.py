@@ -11,6 +11,7 @@ from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, fail, one_line
 from hyperdryrun.commands.measure import CPU_ONLY_NOTE
+from hyperdryrun.commands.preflight import check_cuda_environment, check_rank_outputs
 from hyperdryrun.config import ConfigError, JobConfig, rank_from_env
 
 _DEFAULTS = JobConfig.model_fields
@@ -188,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         identity = _identity(args)
+        check_cuda_environment(None, args.target_device)
+        check_rank_outputs(args.output_dir, [identity["rank"] or 0])
     except ConfigError as err:
         return fail(str(err), err, args.debug)
     options = {

@@ -55,6 +55,12 @@ class _NoObjects(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it references {module}.{name}")
 
 
+def shown(value: str, most: int = 40) -> str:
+    """``repr(value)``, cut to about ``most`` characters with the length said: a hostile value stays a short line."""
+    text = repr(value)
+    return text if len(text) <= most else f"{text[: most - 10]}...' ({len(value):,} characters)"
+
+
 @dataclass(frozen=True)
 class Limit:
     """A bound on what one input may cost (its size, nesting, entries), raised by its environment variable."""
@@ -73,7 +79,9 @@ class Limit:
         except ValueError:
             value = 0
         if value < 1:
-            raise ValueError(f"{self.env}={raw!r} must be a positive integer (the limit on {self.meaning})")
+            raise ValueError(
+                f"{self.env}={shown(raw)} must be a positive integer (the limit on {self.meaning})"
+            )
         return value
 
     def of(self, source: str | os.PathLike) -> int:
@@ -115,6 +123,29 @@ LIMITS = (
     SPAN_DEPTH,
 )
 """Every limit on hostile or runaway input: what reading one file may cost before it is refused on one line."""
+
+
+INT_LIMIT = 1 << 64
+"""No byte count, address, task index or timestamp of a real step reaches 2**64 (torch counts in int64/uint64): a
+larger integer in an input is refused where it is read, before arithmetic on it could overflow a float."""
+_INT_DIGITS = len(str(INT_LIMIT))
+
+
+def bounded_int(text: str) -> int:
+    """``int(text)`` for an integer of an input file: a ValueError (naming it shortly) when it is not one, or when
+    its magnitude is 2**64 or more, checked on its length first (Python refuses to convert beyond 4,300 digits, and
+    converting a long one is quadratic)."""
+    digits = text.strip().lstrip("+-").lstrip("0")
+    if len(digits) > _INT_DIGITS or abs(value := int(text)) >= INT_LIMIT:
+        cut = text if len(text) <= 30 else f"{text[:20]}... ({len(text):,} characters)"
+        raise ValueError(f"integer {cut} is out of range (magnitude 2**64 or more)")
+    return value
+
+
+def check_int_range(value: int, where: str) -> None:
+    """A ValueError naming ``where`` when the integer ``value`` of an input is out of :data:`INT_LIMIT`."""
+    if not -INT_LIMIT < value < INT_LIMIT:
+        raise ValueError(f"{where}: integer of {len(str(abs(value)))} digits is out of range (2**64 or more)")
 
 
 def read_bytes(path: Path, limit: Limit = INPUT_BYTES) -> bytes:
@@ -187,7 +218,7 @@ def read_json(path: Path, raw: bytes) -> Any:
     depth = NESTING.of(path)
     too_deep = f"nested deeper than {depth} levels ({NESTING.hint})"
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_int=bounded_int)
     except UnicodeDecodeError:
         raise IngestError(path, "not UTF-8 text (neither JSON nor CSV)") from None
     except RecursionError:
@@ -196,6 +227,8 @@ def read_json(path: Path, raw: bytes) -> Any:
         raise IngestError(
             path, f"invalid or truncated JSON at line {err.lineno} column {err.colno}"
         ) from None
+    except ValueError as err:  # bounded_int: a number no step has
+        raise IngestError(path, str(err)) from None
     if isinstance(data, dict | list) and nested_deeper_than(data, depth):
         raise IngestError(path, too_deep)
     return data
@@ -255,6 +288,8 @@ def _fields(
     for key in ints:
         if key in record:
             _need(source, f"{where}.{key}", record[key], int)
+            if not -INT_LIMIT < record[key] < INT_LIMIT:
+                raise IngestError(source, f"{where}.{key} is out of range (2**64 or more)")
             if key in _SIZES and record[key] < 0:
                 raise IngestError(source, f"{where}.{key} must be >= 0 (got {record[key]})")
     for key in strs:
@@ -271,15 +306,38 @@ def check_snapshot_fields(data: Any, source: str) -> None:
     segments, traces = data["segments"], data.get("device_traces")
     if not isinstance(traces, list):
         raise IngestError(source, "not a CUDA memory snapshot (no 'device_traces' list of lists)")
+    # Count first, from the lists' lengths (every use of a list the pickle shares counts: readers walk each use),
+    # so that a small pickle of shared references is refused before anything is walked.
+    entry_limit = SNAPSHOT_ENTRIES.of(source)
+    entries = len(segments) + len(traces)
+    if entries > entry_limit:
+        raise IngestError(
+            source, f"has {entries} entries, more than the limit of {entry_limit} ({SNAPSHOT_ENTRIES.hint})"
+        )
+    for i, seg in enumerate(segments):
+        _need(source, f"segments[{i}]", seg, dict)
+        blocks = seg.get("blocks", [])
+        _need(source, f"segments[{i}].blocks", blocks, list)
+        entries += len(blocks)
+    for d, trace in enumerate(traces):
+        _need(source, f"device_traces[{d}]", trace, list)
+        entries += len(trace)
+    if entries > entry_limit:
+        raise IngestError(
+            source, f"has {entries} entries, more than the limit of {entry_limit} ({SNAPSHOT_ENTRIES.hint})"
+        )
     records: list[tuple[str, Any]] = []  # (where, frames) of every block and entry
-    entries = len(segments)
+    walked: set[int] = set()  # a shared segment, block list or trace is checked once
     for i, seg in enumerate(segments):
         where = f"segments[{i}]"
-        _need(source, where, seg, dict)
+        if id(seg) in walked:
+            continue
+        walked.add(id(seg))
         _fields(source, where, seg, _SEGMENT_INTS, ("segment_type",))
         blocks = seg.get("blocks", [])
-        _need(source, f"{where}.blocks", blocks, list)
-        entries += len(blocks)
+        if id(blocks) in walked:
+            continue
+        walked.add(id(blocks))
         for j, blk in enumerate(blocks):
             bw = f"{where}.blocks[{j}]"
             _need(source, bw, blk, dict)
@@ -288,8 +346,9 @@ def check_snapshot_fields(data: Any, source: str) -> None:
             _fields(source, bw, blk, _BLOCK_INTS, ("state",))
             records.append((bw, blk.get("frames")))
     for d, trace in enumerate(traces):
-        _need(source, f"device_traces[{d}]", trace, list)
-        entries += len(trace)
+        if id(trace) in walked:
+            continue
+        walked.add(id(trace))
         for i, e in enumerate(trace):
             where = f"device_traces[{d}][{i}]"
             _need(source, where, e, dict)
@@ -299,11 +358,6 @@ def check_snapshot_fields(data: Any, source: str) -> None:
             if e["action"] in _ENTRY_ADDRESSED and not ("addr" in e and "size" in e):
                 raise IngestError(source, f"{where} ({e['action']}) lacks integer addr/size")
             records.append((where, e.get("frames")))
-    entry_limit = SNAPSHOT_ENTRIES.of(source)
-    if entries > entry_limit:
-        raise IngestError(
-            source, f"has {entries} entries, more than the limit of {entry_limit} ({SNAPSHOT_ENTRIES.hint})"
-        )
     references = 0
     for where, frames in records:
         if frames is not None:

@@ -9,7 +9,6 @@ parallelized from outside by :mod:`hyperdryrun.parallel.hf`. transformers is an 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,19 +67,67 @@ def config_path(name: str) -> Path:
 
 
 def read_config(name: str) -> dict[str, Any]:
-    """The config.json dict of ``hf:NAME`` (one-line errors for a missing file, bad JSON, no model_type)."""
+    """The config.json dict of ``hf:NAME`` (one-line errors for a missing, too large or bad JSON file, no
+    model_type), read within the limits of :mod:`hyperdryrun.ingest.files` like every other input."""
+    from hyperdryrun.ingest.files import CONFIG_BYTES, IngestError, read_bytes, read_json
+
     path = config_path(name)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"--model {name}: cannot read {str(path)!r}: {err}") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--model {name}: {str(path)!r} is not valid JSON: {err}") from None
+        data = read_json(path, read_bytes(path, CONFIG_BYTES))
+    except IngestError as err:
+        raise ValueError(f"--model {name}: {err}") from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise ValueError(
             f'--model {name}: {str(path)!r} has no "model_type" (not a Hugging Face config.json)'
         )
     return data
+
+
+REQUIRED_FIELDS = ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size")
+"""The shape fields the dry run reads from every config.json (through :data:`OVERRIDE_KEYS`)."""
+OPTIONAL_COUNTS = ("n_kv_heads", "num_experts", "top_k", "moe_ffn_dim")
+
+
+def check_fields(args: HFArgs) -> None:
+    """One line naming the config and its field unless the fields the dry run reads hold usable values: a
+    ``model_type`` transformers knows, positive integer sizes, a head count that divides the width, counts of
+    experts that make sense (transformers itself would fail on them later, with a traceback)."""
+    where = f"--model {args.name}: {str(config_path(args.name))!r}"
+
+    def key_of(field_name: str) -> str:
+        return next((k for k in OVERRIDE_KEYS[field_name] if k in args.config), OVERRIDE_KEYS[field_name][0])
+
+    def bad(key: str, rule: str) -> ValueError:
+        if key not in args.config:
+            return ValueError(f"{where}: field {key}: {rule}")
+        value = args.config[key]
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        return ValueError(f"{where}: field {key}: {rule} (got {shown})")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for name in REQUIRED_FIELDS:
+        value = args._get(name)
+        if not is_int(value) or value < 1:
+            raise bad(key_of(name), "must be a positive integer" if value is not None else "missing")
+    for name in OPTIONAL_COUNTS:
+        value = args._get(name)
+        if value is not None and (not is_int(value) or value < (1 if name == "n_kv_heads" else 0)):
+            raise bad(key_of(name), "must be a positive integer" if name == "n_kv_heads" else "must be >= 0")
+    head_dim = args.config.get("head_dim")
+    if head_dim is not None and (not is_int(head_dim) or head_dim < 1):
+        raise bad("head_dim", "must be a positive integer")
+    if head_dim is None and args.dim % args.n_heads:
+        raise bad(key_of("n_heads"), f"must divide {key_of('dim')}={args.dim}")
+    if args.n_heads % args.n_kv_heads:
+        raise bad(key_of("n_kv_heads"), f"must divide {key_of('n_heads')}={args.n_heads}")
+    if args.num_experts and not 1 <= args.top_k <= args.num_experts:
+        raise bad(key_of("top_k"), f"must be in 1..{key_of('num_experts')}={args.num_experts}")
+    mapping = getattr(getattr(transformers_module(), "models", None), "auto", None)
+    known = getattr(getattr(mapping, "configuration_auto", None), "CONFIG_MAPPING_NAMES", None)
+    if known is not None and args.model_type not in known:
+        raise bad("model_type", "not a model type this transformers knows")
 
 
 def transformers_module() -> Any:
@@ -172,6 +219,8 @@ class HFArgs:
     num_shared_experts = 0
     n_dense_layers = 0
     attention = "gqa"
+    fuse_qkv = False
+    """HF's attention has separate q_proj, k_proj and v_proj (what ``fit``'s rank classes count)."""
 
     def hf_config(self) -> Any:
         """The transformers config (``AutoConfig.for_model``, no hub access)."""
@@ -234,7 +283,9 @@ class HFArgs:
             for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
                 if isinstance(config.get(key), int) and config[key] >= config["vocab_size"]:
                     config[key] = None
-        return HFArgs(self.name, config, **{**self._kernels(), **kernels})
+        out = HFArgs(self.name, config, **{**self._kernels(), **kernels})
+        check_fields(out)
+        return out
 
     def _kernels(self) -> dict[str, Any]:
         return {
@@ -245,7 +296,7 @@ class HFArgs:
 
 def load_args(name: str) -> HFArgs:
     """The :class:`HFArgs` of ``hf:NAME`` as its config.json says."""
-    return HFArgs(name, read_config(name))
+    return HFArgs(name, read_config(name))  # checked by replace(), once the job's overrides are on
 
 
 def layout_problems(args: HFArgs, parallel: Any, fsdp_off: bool = False) -> list[str]:

@@ -21,6 +21,7 @@ from hyperdryrun.ingest.files import (
     PICKLE_MAGIC,
     TASKS_PER_ROW,
     IngestError,
+    bounded_int,
     read_bytes,
     read_json,
     read_snapshot,
@@ -204,13 +205,13 @@ def _stack(text: str) -> tuple[tuple[str, int, str], ...]:
     frames = []
     for part in text.split("|") if text else ():
         fields = dict(kv.split(":", 1) for kv in part.split(";", 2))
-        frames.append((fields["File"], int(fields["Line"]), fields["Function"]))
+        frames.append((fields["File"], bounded_int(fields["Line"]), fields["Function"]))
     return tuple(frames)
 
 
 def _count(row: list[str], column: int) -> int:
     """A non-negative integer cell (a task index or a size), with the column named when it is not."""
-    value = int(row[column])
+    value = bounded_int(row[column])
     if value < 0:
         raise ValueError(f"{CSV_COLUMNS[column]} must be >= 0 (got {value})")
     return value
@@ -224,7 +225,7 @@ def _block_of_row(row: list[str], block_id: int, stacks: FrameTable) -> Block:
     start, end, size = _count(row, 0), _count(row, 1), _count(row, 7)
     if end < start:
         raise ValueError(f"the block ends at task {end} (end_time_stamp), before it starts at task {start}")
-    tasks = [int(u) for u in users.split("-")] if users else []
+    tasks = [bounded_int(u) for u in users.split("-")] if users else []
     if any(t < 0 for t in tasks):
         raise ValueError(f"user_tasks must be task indices >= 0 (got {row[17]!r})")
     return Block(
@@ -236,15 +237,15 @@ def _block_of_row(row: list[str], block_id: int, stacks: FrameTable) -> Block:
         phase=Phase(row[14]),
         module=row[16],
         stack_id=stacks.intern(_stack(row[19])),
-        addr=int(row[4]),
+        addr=bounded_int(row[4]),
         end=end,
         category=Category(row[12]),
         users=tasks,
-        used_after_alloc=int(row[8]),
-        peak_after_alloc=int(row[9]),
+        used_after_alloc=bounded_int(row[8]),
+        peak_after_alloc=bounded_int(row[9]),
         start_plot=float(row[2]),
         end_plot=float(row[3]),
-        stream=int(row[5]),
+        stream=bounded_int(row[5]),
     )
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +25,14 @@ def segments_path(output_dir: str | os.PathLike, rank: int) -> Path:
     return Path(output_dir) / f"rank_{rank}" / f"rank_{rank}_segments.csv"
 
 
-def _write_temp(path: Path, text: str) -> Path:
-    """``text`` in a new temporary file beside ``path``, with the usual file mode; nothing is left if it fails."""
+def _write_temp(path: Path, text: str | bytes) -> Path:
+    """``text`` (UTF-8 when a str) in a new temporary file beside ``path``, with the usual file mode; nothing is left
+    if it fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8") if isinstance(text, str) else text)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a report should have the usual mode
     except BaseException:
         _unlink(tmp)
@@ -48,7 +50,7 @@ def atomic_write(path: Path, text: str) -> None:
     write_together([(path, text)])
 
 
-def write_together(files: list[tuple[Path, str]]) -> None:
+def write_together(files: Sequence[tuple[Path, str | bytes]]) -> None:
     """Replace several files as one: every file goes to a temporary beside its target first, and only when all are
     complete are they renamed, in the order given (the last rename is the commit point). A failure at any step
     leaves the previous files as they were and no temporary file."""

@@ -19,11 +19,14 @@ when the reports carry it, else its reserved figure, else the allocated bytes (:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hyperdryrun.config import ConfigError
+from hyperdryrun.runner import BAD_INPUT
 from hyperdryrun.search.bounds import StateBound, worst_state_bound
 from hyperdryrun.search.cache import ResultCache, job_key, versions
 from hyperdryrun.search.classes import RankClass, rank_classes
@@ -248,12 +251,18 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
                 on_progress(outcome)
 
     def run(batch: Iterator[SimTask]) -> None:
-        for res in executor.imap(batch):
-            r, c = by_key[res.key]
-            _take(res, c, cache)
-            _settle(r, job.capacity_bytes)
-            if on_progress:
-                on_progress(outcome)
+        with contextlib.closing(executor.imap(batch)) as results:  # closed: its workers stop at once
+            for res in results:
+                r, c = by_key[res.key]
+                if res.error and res.error_kind == BAD_INPUT:
+                    # every candidate passed the job's checks: bad input now is not the layout's, it stops the search
+                    raise ConfigError(
+                        f"{r.candidate.layout.label()}, rank {c.rank_class.representative}: {res.error}"
+                    )
+                _take(res, c, cache)
+                _settle(r, job.capacity_bytes)
+                if on_progress:
+                    on_progress(outcome)
 
     while True:
         run(tasks())

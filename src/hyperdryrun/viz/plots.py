@@ -215,6 +215,24 @@ def sides_png(sides: Sequence[Side], compare: bool = False) -> bytes:
     return _png(fig)
 
 
+def render_plots(
+    sides: Sequence[Side | tuple[dict[str, Any], Any]], out_dir: str | os.PathLike, compare: bool = False
+) -> list[tuple[Path, bytes]]:
+    """The PNGs of :func:`write_plots` as (path, bytes), drawn and not yet written (so that a command can check every
+    path and write all its outputs together)."""
+    sides = as_sides(sides)
+    out = Path(out_dir)
+    files = []
+    for s in sides:
+        if s.trace is not None:
+            files.append((out / f"timeline_{slug(s.label)}.png", timeline_png(s)))
+        files.append((out / f"breakdown_{slug(s.label)}.png", breakdown_png(s)))
+    if len([s for s in sides if s.trace is not None]) > 1:
+        name = "compare.png" if compare else "ranks.png"
+        files.append((out / name, sides_png(sides, compare)))
+    return files
+
+
 def write_plots(
     sides: Sequence[Side | tuple[dict[str, Any], Any]], out_dir: str | os.PathLike, compare: bool = False
 ) -> list[Path]:
@@ -223,14 +241,4 @@ def write_plots(
 
     A side without a trace (a JSON report without its CSV) gets its breakdown only.
     """
-    sides = as_sides(sides)
-    out = Path(out_dir)
-    written = []
-    for s in sides:
-        if s.trace is not None:
-            written.append(write_atomic(out / f"timeline_{slug(s.label)}.png", timeline_png(s)))
-        written.append(write_atomic(out / f"breakdown_{slug(s.label)}.png", breakdown_png(s)))
-    if len([s for s in sides if s.trace is not None]) > 1:
-        name = "compare.png" if compare else "ranks.png"
-        written.append(write_atomic(out / name, sides_png(sides, compare)))
-    return written
+    return [write_atomic(path, data) for path, data in render_plots(sides, out_dir, compare)]

@@ -3,8 +3,12 @@
 PyTorch's own tooling opens it: ``python -m torch.cuda._memory_viz trace_plot|segment_plot|stats|trace`` and the web
 viewer (pytorch.org/memory_viz). What goes in:
 
-- ``device_traces[d]``: the whole step as the allocator would have recorded it with ``_record_memory_history``:
-  ``segment_alloc`` / ``alloc`` when a block starts, ``free_requested`` / ``free_completed`` / ``segment_free`` when it
+- ``device_traces[d]``: the step as the allocator would have recorded it with ``_record_memory_history`` started
+  after the model was built (as a measured run records it): what existed before the step (``initialization``
+  blocks: parameters, buffers, optimizer states, and the segments they opened) has no ``alloc`` or
+  ``segment_alloc`` entry, only its ``free_requested`` / ``free_completed`` if the step frees it, or its place
+  in ``segments``, so a reader sees it as resident before the record, as in a real snapshot, and a report and
+  its own snapshot compare equal; ``segment_alloc`` / ``alloc`` when a block starts, ``free_requested`` / ``free_completed`` / ``segment_free`` when it
   ends; within a task, frees before allocations (the timeline rule of :mod:`hyperdryrun.trace.blocks`), so the
   allocated bytes after each task's entries are the live bytes of that task. ``size`` is the requested bytes (torch
   records ``orig_size``); ``time_us`` is the task index (a dry run has no clock); ``frames`` are the block's Python
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hyperdryrun.trace.blocks import ADDRESS_BASE, ALIGNMENT, PERSISTENT_END, Block, round_size
+from hyperdryrun.trace.blocks import ADDRESS_BASE, ALIGNMENT, PERSISTENT_END, Block, Phase, round_size
 from hyperdryrun.viz.files import write_atomic
 
 PICKLE_PROTOCOL = 4
@@ -60,6 +64,12 @@ class SnapshotError(ValueError):
 
 def _alive_at_end(end: int, num_tasks: int) -> bool:
     return end > num_tasks
+
+
+def _before_the_step(s: Segment) -> bool:
+    """Whether segment ``s`` was made for blocks that existed before the step (the model's parameters, buffers and
+    optimizer states): one of them opened it."""
+    return any(b.phase is Phase.INITIALIZATION and b.start == s.start for b in s.blocks)
 
 
 def _op_frame(op: str) -> list[dict[str, Any]]:
@@ -243,6 +253,8 @@ def build_snapshot(trace: Any, segments: Iterable[Segment] | None = None, device
     # (task, order, tie, entry): within a task, block frees, then segment frees, segment allocs, block allocs.
     timed: list[tuple[int, int, int, dict[str, Any]]] = []
     for s in segs:
+        if _before_the_step(s):
+            continue  # cudaMalloc'd with the model, before the record began: in ``segments`` only
         first = s.blocks[0] if len(s.blocks) == 1 else None
         seg_frames = frames(first) if first is not None else []
         seg_entry = {"addr": s.address, "size": s.size, "stream": s.stream, "frames": seg_frames}
@@ -254,6 +266,8 @@ def build_snapshot(trace: Any, segments: Iterable[Segment] | None = None, device
     for task, kind, bid, b in _events(blocks, n):
         entry = {"addr": b.addr, "size": b.requested, "stream": 0, "frames": frames(b)}
         if kind == 1:
+            if b.phase is Phase.INITIALIZATION:
+                continue  # alive before the step: a free without an alloc, or a block of ``segments``
             timed.append((task, 3, bid, {"action": "alloc", **entry, "category": category(b)}))
         else:
             timed.append((task, 0, 2 * bid, {"action": "free_requested", **entry}))

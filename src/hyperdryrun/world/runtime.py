@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hyperdryrun.allocator.options import ENV_VARS, AllocatorConfigError, AllocatorOptions
 from hyperdryrun.world.cuda_target import CudaTarget
-from hyperdryrun.world.gpus import DEFAULT_GPU, MiB, cublas_workspace_bytes, gpu_preset
+from hyperdryrun.world.gpus import DEFAULT_GPU, GPU_PRESETS, MiB, cublas_workspace_bytes, gpu_preset
 
 NCCL_LL_BUFFSIZE = 8 * 512 * 8 * 16
 """NVIDIA/nccl ``DEFAULT_LL_BUFFSIZE``: NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x 16 B."""
@@ -83,10 +83,12 @@ class CudaRuntime(BaseModel):
     @field_validator("gpu")
     @classmethod
     def _known_gpu(cls, v: str | None) -> str | None:
+        if v is not None and v not in GPU_PRESETS:
+            # only the GPUs the dry run can target are choices (a preset it does not model is refused below)
+            usable = [name for name, p in GPU_PRESETS.items() if p.compute_capability is not None]
+            raise ValueError(f"gpu={v!r}: choose one of {', '.join(usable)}")
         if v is not None:
-            CudaTarget(
-                gpu_preset(v)
-            )  # unknown names and GPUs the dry run cannot target fail here, in one line
+            CudaTarget(gpu_preset(v))  # a GPU the dry run cannot target fails here, in one line
         return v
 
     @field_validator("alloc_conf")
