@@ -227,3 +227,28 @@ def test_a_module_function_spec_runs_the_named_function(tmp_path, monkeypatch, c
         r["metadata"]["script"]["mode"] == "job function" and r["metadata"]["model"] == "mypkg.train:make_job"
     )
     assert r["summary"]["breakdown_at_peak"]["Optstate"] == optstate_bytes(1) == 2 * PARAM_BYTES
+
+
+def test_the_scripts_own_arguments_after_a_double_dash_are_its_sys_argv(tmp_path, capsys):
+    source = (HERE / "_script_job.py").read_text()
+    source = source.replace(
+        "import os\n",
+        "import argparse\nimport os\n\nARGS = argparse.ArgumentParser().add_argument('--rows', type=int) and None\n",
+    )
+    # parsed at import, as a training script's own flags often are
+    source = source.replace(
+        "ARGS = argparse.ArgumentParser().add_argument('--rows', type=int) and None\n",
+        "_parser = argparse.ArgumentParser()\n_parser.add_argument('--rows', type=int, required=True)\n"
+        "ARGS = _parser.parse_args()\n",
+    )
+    source = source.replace(
+        '"env_rank": os.environ["RANK"]', '"rows": ARGS.rows, "env_rank": os.environ["RANK"]'
+    )
+    path = tmp_path / "train.py"
+    path.write_text(source)
+    out = tmp_path / "out"
+    argv = ["script", str(path), "--no-stacks", "--quiet", "--output-dir", str(out), "--", "--rows", "32"]
+    assert main(argv) == 0
+    assert report(out, 0)["metadata"]["rows"] == 32
+    assert main(argv[:-3]) == 2  # without them its own parser exits: one line naming it
+    assert "raised SystemExit: 2" in one_error_line(capsys.readouterr().err)

@@ -40,6 +40,19 @@ SCRIPT_FLAGS = (
 IDENTITY = ("world_size", "rank", "local_rank")
 
 
+class _ScriptParser(OneLineParser):
+    """The command's flags; what follows ``--`` is the script's own arguments (``script_args``)."""
+
+    def parse_known_args(
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if "--" in extras:
+            cut = extras.index("--")
+            namespace.script_args, extras = extras[cut + 1 :], extras[:cut]
+        return namespace, extras
+
+
 def register(subparsers: Any) -> None:
     p: OneLineParser = subparsers.add_parser(
         "script",
@@ -48,12 +61,15 @@ def register(subparsers: Any) -> None:
         description="Dry-run one training step of your own model as rank r of N, in a child process: SCRIPT is a "
         "Python file or module[:function] whose function hyperdryrun_job(launch) returns hyperdryrun.simulate()'s "
         "arguments as a dict (model_fn, batch_fn, loss_fn or step_fn, parallelize_fn, optimizer_fn, mesh_shape, "
-        "...), or a file that calls hyperdryrun.simulate(...) at its top level. Writes "
+        "...), or a file that calls hyperdryrun.simulate(...) at its top level; arguments after -- are the "
+        "script's own (its sys.argv[1:]). Writes "
         "<output-dir>/rank_<r>/rank_<r>_memory.{json,csv}. Exit 0: done (fits), 1: OOM against the capacity "
         "(--fit: no layout fits), 2: bad input, 3: internal error (a crash in the step: an error report naming "
         "the signal), 130/143: interrupted.",
     )
     p.add_argument("script", metavar="SCRIPT", help="train.py, train.py:function, package.module[:function]")
+    p.__class__ = _ScriptParser
+    p.set_defaults(script_args=[])
     for flag in SCRIPT_FLAGS:
         path, typ, help_ = RUN_FLAGS[flag]
         p.add_argument(flag, dest=_dest(flag), type=typ, default=None, metavar=path.split(".")[-1],
@@ -119,17 +135,24 @@ def run_script_rank(options: dict[str, Any]) -> Any:
     """One rank of a script in this process (the child's entry): resolve the rank (noted in ``identity_file`` for
     the parent, should this process die), simulate, write its reports; a :class:`~hyperdryrun.runner.RankOutcome`
     without its trace. Module level, so that a spawned child can run it."""
-    from hyperdryrun.integrations.script import ScriptError, ScriptExecute, load_script, resolve_identity
+    from hyperdryrun.integrations.script import (
+        ScriptError,
+        ScriptExecute,
+        load_script,
+        resolve_identity,
+        script_argv,
+    )
     from hyperdryrun.runner import BAD_INPUT, RankOutcome, error_kind, run_rank
 
     rank = options["given"].get("rank") or 0
     try:
-        identity = resolve_identity(load_script(options["spec"]), options["given"])
+        with script_argv(options["spec"], options["argv"]):
+            identity = resolve_identity(load_script(options["spec"]), options["given"])
         rank = identity["rank"] or 0
         cfg = config_for(options["base"], identity)
         if options.get("identity_file"):
             Path(options["identity_file"]).write_text(json.dumps(identity))
-        execute = ScriptExecute(options["spec"], dict(options.get("layout") or {}))
+        execute = ScriptExecute(options["spec"], {}, tuple(options["argv"]))
         outcome = run_rank(cfg, capture_stacks=options["capture_stacks"], execute=execute)
     except (ScriptError, ConfigError) as err:
         return RankOutcome(rank, error=str(err), error_kind=BAD_INPUT)
@@ -141,38 +164,44 @@ def run_script_rank(options: dict[str, Any]) -> Any:
     return outcome
 
 
-def probe_script(spec: str, given: dict[str, int | None], layouts: bool) -> dict[str, Any]:
+def probe_script(
+    spec: str, given: dict[str, int | None], layouts: bool, argv: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """What the parent needs before it starts workers: the launched world, and each layout's rank classes (the
     ranks of each class, a class per rank where the script declares no ``rank_class``). Runs in a child."""
+    from hyperdryrun.integrations.script import ScriptError, load_script, script_argv
+
+    try:
+        with script_argv(spec, argv):
+            return _probe_classes(load_script(spec), given, layouts)
+    except (ScriptError, ConfigError) as err:
+        return {"error": str(err)}
+
+
+def _probe_classes(loaded: Any, given: dict[str, int | None], layouts: bool) -> dict[str, Any]:
     from hyperdryrun.integrations.script import (
         Launch,
-        ScriptError,
         layouts_of,
-        load_script,
         rank_class_of,
         resolve_identity,
         torchrun_environment,
     )
 
-    try:
-        loaded = load_script(spec)
-        identity = resolve_identity(loaded, given)
-        size = identity["world_size"] or 1
-        chosen = layouts_of(loaded, size) if layouts else [{}]
-        classes = []
-        for layout in chosen:
-            groups: dict[str, list[int]] = {}
-            keys: dict[str, Any] = {}
-            for rank in range(size):
-                local = rank if identity["local_rank"] is None else identity["local_rank"]
-                with torchrun_environment(size, rank, local):
-                    key = rank_class_of(loaded, Launch(size, rank, local, layout))
-                name = f"rank {rank}" if key is None else json.dumps(key, sort_keys=True, default=repr)
-                groups.setdefault(name, []).append(rank)
-                keys[name] = key
-            classes.append([{"ranks": ranks, "key": keys[name]} for name, ranks in groups.items()])
-    except (ScriptError, ConfigError) as err:
-        return {"error": str(err)}
+    identity = resolve_identity(loaded, given)
+    size = identity["world_size"] or 1
+    chosen = layouts_of(loaded, size) if layouts else [{}]
+    classes = []
+    for layout in chosen:
+        groups: dict[str, list[int]] = {}
+        keys: dict[str, Any] = {}
+        for rank in range(size):
+            local = rank if identity["local_rank"] is None else identity["local_rank"]
+            with torchrun_environment(size, rank, local):
+                key = rank_class_of(loaded, Launch(size, rank, local, layout))
+            name = f"rank {rank}" if key is None else json.dumps(key, sort_keys=True, default=repr)
+            groups.setdefault(name, []).append(rank)
+            keys[name] = key
+        classes.append([{"ranks": ranks, "key": keys[name]} for name, ranks in groups.items()])
     return {"identity": identity, "layouts": chosen, "classes": classes, "mode": loaded.mode}
 
 
@@ -208,7 +237,13 @@ def _one(args: argparse.Namespace, given: dict[str, int | None], base: dict[str,
     from hyperdryrun.report.console import print_summary
     from hyperdryrun.runner import crashed_rank
 
-    options = {"spec": args.script, "given": given, "base": base, "capture_stacks": not args.no_stacks}
+    options = {
+        "spec": args.script,
+        "argv": list(args.script_args),
+        "given": given,
+        "base": base,
+        "capture_stacks": not args.no_stacks,
+    }
     if args.in_process:
         out = run_script_rank(options)
     else:
@@ -242,7 +277,7 @@ def _probe(args: argparse.Namespace, given: dict[str, int | None]) -> dict[str, 
     from hyperdryrun.child import ChildDied, ChildFailed, run_in_child
 
     try:
-        probed = run_in_child(probe_script, args.script, given, args.fit)
+        probed = run_in_child(probe_script, args.script, given, args.fit, tuple(args.script_args))
     except ChildDied as err:
         return internal_error(f"loading {args.script!r}: {err}", None, args.debug)
     except ChildFailed as err:
@@ -291,7 +326,7 @@ def _run(args: argparse.Namespace, cfg: Any, ranks: list[int], layout: dict[str,
         ranks,
         args.jobs,
         capture_stacks=not args.no_stacks,
-        execute=ScriptExecute(args.script, layout),
+        execute=ScriptExecute(args.script, layout, tuple(args.script_args)),
         show_progress=False if args.quiet else None,
     )
 

@@ -277,6 +277,19 @@ def torchrun_environment(world_size: int, rank: int, local_rank: int) -> Iterato
                 os.environ[var] = value
 
 
+@contextlib.contextmanager
+def script_argv(spec: str, argv: tuple[str, ...] | list[str] = ()) -> Iterator[None]:
+    """``sys.argv`` as ``python FILE ARGS`` would give the script (its own arguments, after ``--`` on the command
+    line), so that code parsing it at import or in the job function sees its own; restored on exit."""
+    path, module, _ = _split(spec)
+    saved = sys.argv
+    sys.argv = [path if path is not None else str(module), *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
 # ------------------------------------------------------------------------------------------------- the job
 def _call(loaded: LoadedScript, fn: Callable[..., Any], what: str, *args: Any) -> Any:
     """``fn(*args)`` (or ``fn()`` when it takes no argument); anything it raises is a one-line ScriptError."""
@@ -380,44 +393,53 @@ class ScriptExecute:
 
     spec: str
     layout: dict[str, Any] = field(default_factory=dict)
+    argv: tuple[str, ...] = ()
+    """The script's own command-line arguments (its ``sys.argv[1:]``)."""
 
     def __call__(self, cfg: Any, capture_stacks: bool = True) -> Any:
+        world = cfg.world
+        local_rank = world.rank if world.local_rank is None else world.local_rank
+        with (
+            script_argv(self.spec, self.argv),
+            torchrun_environment(world.world_size, world.rank, local_rank),
+        ):
+            return self._simulate(cfg, capture_stacks, local_rank)
+
+    def _simulate(self, cfg: Any, capture_stacks: bool, local_rank: int) -> Any:
         from hyperdryrun.engine import job_plan, simulate_plan
 
         loaded = load_script(self.spec)
         world = cfg.world
-        local_rank = world.rank if world.local_rank is None else world.local_rank
         launch = Launch(world.world_size, world.rank, local_rank, dict(self.layout))
-        with torchrun_environment(world.world_size, world.rank, local_rank):
-            job = job_arguments(loaded, launch)
-            job.pop(RANK_CLASS, None)
-            cuda = job.pop("cuda", None)
-            job.pop("target_device", None)
-            if cuda is not None and cfg.cuda == type(cfg.cuda)():
-                runtime = cuda  # the script's, where the command line gave no --gpu / --alloc-conf
-            else:
-                runtime = cfg.cuda
-            metadata = {**(job.pop("metadata", None) or {}), "script": self.job_metadata(cfg)["script"]}
-            shape = tuple(job.get("mesh_shape") or (world.world_size,))
-            names = tuple(job.get("mesh_dim_names") or (f"dim{i}" for i in range(len(shape))))
-            metadata.setdefault("model", loaded.label)  # the report's headline names the script
-            metadata.setdefault("parallel", dict(zip(names, shape, strict=False)))
-            model_fn, batch_fn = job.pop("model_fn"), job.pop("batch_fn")
-            try:
-                plan = job_plan(
-                    model_fn,
-                    batch_fn,
-                    **job,
-                    world_size=world.world_size,
-                    rank=world.rank,
-                    local_rank=world.local_rank,
-                    target_device=cfg.target_device,
-                    cuda=runtime,
-                    metadata=metadata,
-                )
-            except (TypeError, ValueError) as err:
-                raise ScriptError(f"script: {loaded.label!r}: {err}") from err
-            return simulate_plan(plan, capture_stacks=capture_stacks)
+        job = job_arguments(loaded, launch)
+        job.pop(RANK_CLASS, None)
+        cuda = job.pop("cuda", None)
+        job.pop("target_device", None)
+        if cuda is not None and cfg.cuda == type(cfg.cuda)():
+            runtime = cuda  # the script's, where the command line gave no --gpu / --alloc-conf
+        else:
+            runtime = cfg.cuda
+        metadata = {**(job.pop("metadata", None) or {}), "script": self.job_metadata(cfg)["script"]}
+        shape = tuple(job.get("mesh_shape") or (world.world_size,))
+        names = tuple(job.get("mesh_dim_names") or (f"dim{i}" for i in range(len(shape))))
+        metadata.setdefault("model", loaded.label)  # the report's headline names the script
+        metadata.setdefault("parallel", dict(zip(names, shape, strict=False)))
+        model_fn, batch_fn = job.pop("model_fn"), job.pop("batch_fn")
+        try:
+            plan = job_plan(
+                model_fn,
+                batch_fn,
+                **job,
+                world_size=world.world_size,
+                rank=world.rank,
+                local_rank=world.local_rank,
+                target_device=cfg.target_device,
+                cuda=runtime,
+                metadata=metadata,
+            )
+        except (TypeError, ValueError) as err:
+            raise ScriptError(f"script: {loaded.label!r}: {err}") from err
+        return simulate_plan(plan, capture_stacks=capture_stacks)
 
     def job_metadata(self, cfg: Any) -> dict[str, Any]:
         """What a report (an error report too) says about the job: the script, its mode, the layout."""
