@@ -135,7 +135,20 @@ def test_a_missing_value_rule_is_bad_input_that_keeps_the_earlier_report(tmp_pat
 
 def test_a_worker_that_dies_is_an_internal_error(tmp_path):
     (o,) = run_ranks(job(tmp_path), [0], execute=dies)
-    assert o.error == "rank 0: the worker process died (killed by SIGKILL)" and o.error_kind == INTERNAL
+    path = tmp_path / "out" / "rank_0" / "rank_0_memory.json"
+    assert o.error == (
+        "rank 0: the simulation process was killed by SIGKILL (signal 9) (out of host memory, or killed from "
+        f"outside) (report: {path})"
+    )
+    assert o.error_kind == INTERNAL
+    # the parent, which saw it die, writes the error report naming the signal
+    report = json.loads(path.read_text())
+    assert (report["status"], report["stage"], report["error"]["type"]) == (
+        "error",
+        "simulation",
+        "ChildDied",
+    )
+    assert "SIGKILL" in report["error"]["message"] and report["metadata"]["rank"] == 0
 
 
 def test_a_callback_that_raises_stops_every_worker_and_nothing_more_is_written(tmp_path):

@@ -26,6 +26,7 @@ from hyperdryrun.commands import fit as fit_command
 from hyperdryrun.commands import measure as measure_command
 from hyperdryrun.commands import report as report_command
 from hyperdryrun.commands import run as run_command
+from hyperdryrun.commands import script as script_command
 from hyperdryrun.commands import snapshot as snapshot_command
 from hyperdryrun.commands import torchtitan as torchtitan_command
 from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, config_from_args  # noqa: F401  (public re-exports)
@@ -41,6 +42,7 @@ COMMANDS = [
     report_command,
     torchtitan_command,
     fit_command,
+    script_command,
 ]
 """Each module registers one subcommand (memray's layout: one small module per command)."""
 

@@ -43,7 +43,9 @@ INTERNAL = "internal"
 
 Execute = Callable[..., Any]
 """``execute(cfg, capture_stacks=...) -> StepTrace``: how a rank's step is run (default: the dry run,
-:func:`hyperdryrun.recipe.run_job`; ``measure`` passes the real run). Module level, so a worker can import it."""
+:func:`hyperdryrun.recipe.run_job`; ``measure`` passes the real run). Module level (or a picklable object), so a
+worker can import it. One with a ``job_metadata(cfg) -> dict`` method says what an error report states about the job
+(default: the built-in recipe's :func:`hyperdryrun.recipe.job_metadata`)."""
 
 OnRankDone = Callable[["RankOutcome", int, int], None]
 """``on_rank_done(outcome, done, total)``, called in this process after each rank's reports are written."""
@@ -117,7 +119,7 @@ def _simulate(cfg: JobConfig, capture_stacks: bool, execute: Execute | None, mod
     except SimulationError as err:
         message = f"rank {rank}: {err.stage} failed: {type(err.error).__name__}: {err.error}"
         try:
-            meta = {**job_metadata(cfg), "mode": mode}
+            meta = {**getattr(execute, "job_metadata", job_metadata)(cfg), "mode": mode}
         except Exception:
             meta = {"mode": mode}
         report = error_report(err.stage, err.error, meta)
@@ -147,6 +149,30 @@ def _write(done: _Computed, output_dir: str, reporters: Sequence[str]) -> RankOu
     if error is not None and paths:
         error = f"{error} (report: {paths[0]})"
     return RankOutcome(rank, done.result.report, paths, error, kind, tb, trace)  # the report as written
+
+
+def _died(rank: int, exitcode: int | None, metadata: dict[str, Any]) -> _Computed:
+    """A process that ran rank ``rank`` ended without an answer: an error report (stage ``simulation``) naming the
+    signal that killed it (or its exit code), written by the process that saw it die."""
+    from hyperdryrun.child import ChildDied
+    from hyperdryrun.report.build import error_report
+
+    err = ChildDied(-exitcode if exitcode is not None and exitcode < 0 else None, exitcode)
+    report = error_report("simulation", err, {**metadata, "rank": rank})
+    return _Computed(rank, RankReport(rank, report), f"rank {rank}: {err}", INTERNAL)
+
+
+def crashed_rank(
+    cfg: JobConfig,
+    exitcode: int | None,
+    *,
+    metadata: dict[str, Any] | None = None,
+    reporters: Sequence[str] = DEFAULT_REPORTERS,
+) -> RankOutcome:
+    """``cfg``'s rank ran in a child process that died (``exitcode``: the process's, negative for a signal): write
+    its error report naming the signal and return the outcome, an internal error."""
+    meta = {"mode": "dry-run", "world_size": cfg.world.world_size, **(metadata or {})}
+    return _write(_died(cfg.world.rank, exitcode, meta), cfg.output_dir, reporters)
 
 
 def run_rank(
@@ -224,7 +250,7 @@ def _in_workers(
                 _start_worker(ctx, running, rank, ({**data, "world": {**data["world"], "rank": rank}}, *work))
             for conn in wait(list(running)):
                 rank, proc = running[conn]
-                done = _receive(conn, proc, rank)
+                done = _receive(conn, proc, rank, {"mode": work[2], "world_size": cfg.world.world_size})
                 del running[conn]
                 outcomes[rank] = _write(done, cfg.output_dir, reporters)
                 if on_rank_done is not None:
@@ -265,15 +291,12 @@ def _start_worker(ctx: Any, running: dict[Any, tuple[int, Any]], rank: int, args
         send.close()  # the worker holds the only write end: its death reads as end of file here
 
 
-def _receive(conn: Any, proc: Any, rank: int) -> _Computed:
+def _receive(conn: Any, proc: Any, rank: int, metadata: dict[str, Any]) -> _Computed:
     try:
         done = conn.recv()
     except (EOFError, OSError):
         proc.join()
-        how = f"exit code {proc.exitcode}"
-        if proc.exitcode is not None and proc.exitcode < 0:
-            how = f"killed by {signal.Signals(-proc.exitcode).name}"
-        done = _Computed(rank, None, f"rank {rank}: the worker process died ({how})", INTERNAL)
+        done = _died(rank, proc.exitcode, metadata)
     conn.close()
     proc.join()
     return done

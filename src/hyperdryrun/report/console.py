@@ -164,15 +164,16 @@ def print_ranks(
     rows: list[tuple[int, dict[str, Any] | None, str | None]],
     paths: Sequence[str] = (),
     quiet: bool = False,
+    title: str | None = None,
 ) -> None:
     """One row per simulated rank (peak, phase, what it consists of, verdict), the maximum over them and the files
-    written; ``quiet``: the maximum alone."""
+    written; ``quiet``: the maximum alone. ``title``: the table's (default: the model and the ranks)."""
     console = Console()
     if not console.is_terminal:
         console = Console(width=110)
     cats = ["Parameter", "Gradient", "Optstate", "Activation", "Temp"]
     t = _table(
-        f"{cfg.model.name}: {len(rows)} of {cfg.world.world_size} ranks",
+        title or f"{cfg.model.name}: {len(rows)} of {cfg.world.world_size} ranks",
         "rank",
         "peak",
         "phase",

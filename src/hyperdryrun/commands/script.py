@@ -1,0 +1,459 @@
+"""``hyperdryrun script``: dry-run one training step of your own script (a Python file or ``module:function`` that
+gives :func:`hyperdryrun.simulate`'s arguments, :mod:`hyperdryrun.integrations.script`) for one rank in a child
+process, several ranks in worker processes (``--ranks``, ``--all-ranks``), or every layout the script declares
+(``--fit``); the same reports, verdict and exit codes as ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hyperdryrun.commands import (
+    EXIT_OK,
+    EXIT_VERDICT,
+    OneLineParser,
+    exit_code_of,
+    fail,
+    internal_error,
+)
+from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, _dest, _set, _with_default, merge_rank_identity
+from hyperdryrun.commands.run import parse_ranks
+from hyperdryrun.config import ConfigError, build_config
+
+SCRIPT_FLAGS = (
+    "--world-size",
+    "--rank",
+    "--local-rank",
+    "--target-device",
+    "--gpu",
+    "--alloc-conf",
+    "--device-memory-gib",
+    "--output-dir",
+    "--live-set-limit",
+)
+"""``run``'s flags that apply to a script's job (the rest describe the built-in recipe's model and layout)."""
+IDENTITY = ("world_size", "rank", "local_rank")
+
+
+class _ScriptParser(OneLineParser):
+    """The command's flags; what follows ``--`` is the script's own arguments (``script_args``)."""
+
+    def parse_known_args(
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if "--" in extras:
+            cut = extras.index("--")
+            namespace.script_args, extras = extras[cut + 1 :], extras[:cut]
+        return namespace, extras
+
+
+def register(subparsers: Any) -> None:
+    p: OneLineParser = subparsers.add_parser(
+        "script",
+        help="dry-run one training step of your own script (a file or module:function giving simulate()'s "
+        "arguments)",
+        description="Dry-run one training step of your own model as rank r of N, in a child process: SCRIPT is a "
+        "Python file or module[:function] whose function hyperdryrun_job(launch) returns hyperdryrun.simulate()'s "
+        "arguments as a dict (model_fn, batch_fn, loss_fn or step_fn, parallelize_fn, optimizer_fn, mesh_shape, "
+        "...), or a file that calls hyperdryrun.simulate(...) at its top level; arguments after -- are the "
+        "script's own (its sys.argv[1:]). Writes "
+        "<output-dir>/rank_<r>/rank_<r>_memory.{json,csv}. Exit 0: done (fits), 1: OOM against the capacity "
+        "(--fit: no layout fits), 2: bad input, 3: internal error (a crash in the step: an error report naming "
+        "the signal), 130/143: interrupted.",
+    )
+    p.add_argument("script", metavar="SCRIPT", help="train.py, train.py:function, package.module[:function]")
+    p.__class__ = _ScriptParser
+    p.set_defaults(script_args=[])
+    for flag in SCRIPT_FLAGS:
+        path, typ, help_ = RUN_FLAGS[flag]
+        p.add_argument(flag, dest=_dest(flag), type=typ, default=None, metavar=path.split(".")[-1],
+                       help=_with_default(path, help_))  # fmt: skip
+    p.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
+    p.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help="every rank of the world: one simulated per rank class (the job's rank_class; without one, "
+        "every rank)",
+    )
+    p.add_argument("--jobs", type=int, default=None, help="processes in parallel (default: cores)")
+    p.add_argument(
+        "--fit",
+        action="store_true",
+        help="dry-run every layout the script's hyperdryrun_layouts(world_size) declares (each rank class) "
+        "against the capacity (--gpu or --device-memory-gib); the first that fits is chosen",
+    )
+    p.add_argument(
+        "--in-process", action="store_true", help="one rank in this process, not a child (no crash guard)"
+    )
+    p.add_argument("--no-stacks", action="store_true", help="do not capture Python stacks (faster)")
+    p.add_argument("--quiet", action="store_true", help="print only the peak line")
+    p.add_argument("--debug", action="store_true", help="tracebacks on errors")
+    p.set_defaults(func=run)
+
+
+# ------------------------------------------------------------------------------------------------- the job
+def job_fields(args: argparse.Namespace, environ: Any = None) -> tuple[dict[str, int | None], dict[str, Any]]:
+    """``(given, base)``: the rank identity the command line and torchrun's variables give (None: the script's),
+    and the other job fields (target device, CUDA runtime, capacity, output), checked (one-line ConfigError)."""
+    data: dict[str, Any] = {}
+    merge_rank_identity(data, args, environ)
+    world = data.get("world", {})
+    given = {k: getattr(args, k) if getattr(args, k) is not None else world.get(k) for k in IDENTITY}
+    base: dict[str, Any] = {}
+    for flag in SCRIPT_FLAGS:
+        path = RUN_FLAGS[flag][0]
+        value = getattr(args, _dest(flag))
+        if value is not None and not path.startswith("world."):
+            _set(base, path, value)
+    world = {k: v for k, v in given.items() if v is not None}
+    if "world_size" not in world:  # the script's own, checked against it once known
+        world["world_size"] = max([1, *(v + 1 for v in world.values() if isinstance(v, int) and v >= 0)])
+    checked = {**base, "world": world}
+    try:
+        build_config(checked)
+    except ConfigError as err:
+        msg = str(err)
+        field = msg.split(":", 1)[0]
+        raise ConfigError(
+            f"{field} ({FLAG_OF[field]}){msg[len(field) :]}" if field in FLAG_OF else msg
+        ) from None
+    return given, base
+
+
+def config_for(base: dict[str, Any], identity: dict[str, int | None]) -> Any:
+    """The runner's job: ``base`` with the launched rank (the model and layout sections unused: the script's)."""
+    return build_config({**base, "world": {k: v for k, v in identity.items() if v is not None}})
+
+
+def run_script_rank(options: dict[str, Any]) -> Any:
+    """One rank of a script in this process (the child's entry): resolve the rank (noted in ``identity_file`` for
+    the parent, should this process die), simulate, write its reports; a :class:`~hyperdryrun.runner.RankOutcome`
+    without its trace. Module level, so that a spawned child can run it."""
+    from hyperdryrun.integrations.script import (
+        ScriptError,
+        ScriptExecute,
+        load_script,
+        resolve_identity,
+        script_argv,
+    )
+    from hyperdryrun.runner import BAD_INPUT, RankOutcome, error_kind, run_rank
+
+    rank = options["given"].get("rank") or 0
+    try:
+        with script_argv(options["spec"], options["argv"]):
+            identity = resolve_identity(load_script(options["spec"]), options["given"])
+        rank = identity["rank"] or 0
+        cfg = config_for(options["base"], identity)
+        if options.get("identity_file"):
+            Path(options["identity_file"]).write_text(json.dumps(identity))
+        execute = ScriptExecute(options["spec"], {}, tuple(options["argv"]))
+        outcome = run_rank(cfg, capture_stacks=options["capture_stacks"], execute=execute)
+    except (ScriptError, ConfigError) as err:
+        return RankOutcome(rank, error=str(err), error_kind=BAD_INPUT)
+    except Exception as err:  # outside the step: in the script's loading or the reports
+        return RankOutcome(
+            rank, error=f"rank {rank}: {type(err).__name__}: {err}", error_kind=error_kind(err)
+        )
+    outcome.trace = None
+    return outcome
+
+
+def probe_script(
+    spec: str, given: dict[str, int | None], layouts: bool, argv: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """What the parent needs before it starts workers: the launched world, and each layout's rank classes (the
+    ranks of each class, a class per rank where the script declares no ``rank_class``). Runs in a child."""
+    from hyperdryrun.integrations.script import ScriptError, load_script, script_argv
+
+    try:
+        with script_argv(spec, argv):
+            return _probe_classes(load_script(spec), given, layouts)
+    except (ScriptError, ConfigError) as err:
+        return {"error": str(err)}
+
+
+def _probe_classes(loaded: Any, given: dict[str, int | None], layouts: bool) -> dict[str, Any]:
+    from hyperdryrun.integrations.script import (
+        Launch,
+        layouts_of,
+        rank_class_of,
+        resolve_identity,
+        torchrun_environment,
+    )
+
+    identity = resolve_identity(loaded, given)
+    size = identity["world_size"] or 1
+    chosen = layouts_of(loaded, size) if layouts else [{}]
+    classes = []
+    for layout in chosen:
+        groups: dict[str, list[int]] = {}
+        keys: dict[str, Any] = {}
+        for rank in range(size):
+            local = rank if identity["local_rank"] is None else identity["local_rank"]
+            with torchrun_environment(size, rank, local):
+                key = rank_class_of(loaded, Launch(size, rank, local, layout))
+            name = f"rank {rank}" if key is None else json.dumps(key, sort_keys=True, default=repr)
+            groups.setdefault(name, []).append(rank)
+            keys[name] = key
+        classes.append([{"ranks": ranks, "key": keys[name]} for name, ranks in groups.items()])
+    return {"identity": identity, "layouts": chosen, "classes": classes, "mode": loaded.mode}
+
+
+# ------------------------------------------------------------------------------------------------- the command
+def run(args: argparse.Namespace) -> int:
+    """Parse, run the rank(s), print; the exit code of :mod:`hyperdryrun.commands`."""
+    try:
+        given, base = job_fields(args)
+        if args.jobs is not None and args.jobs < 1:
+            raise ConfigError(f"--jobs: must be >= 1 (got {args.jobs})")
+        many = args.ranks is not None or args.all_ranks
+        if many and args.rank is not None:
+            raise ConfigError("--rank and --ranks/--all-ranks: give one of them")
+        if args.fit and (many or args.rank is not None):
+            raise ConfigError(
+                "--fit simulates every rank class of each layout: drop --rank/--ranks/--all-ranks"
+            )
+        if args.in_process and (many or args.fit):
+            raise ConfigError("--in-process runs one rank: drop --ranks/--all-ranks/--fit")
+        if args.fit and base.get("device_memory_gib") is None and not base.get("cuda", {}).get("gpu"):
+            raise ConfigError("--fit needs a capacity: give --gpu or --device-memory-gib")
+    except ConfigError as err:
+        return fail(str(err), err, args.debug)
+    if args.fit or many:
+        return _many(args, given, base)
+    return _one(args, given, base)
+
+
+def _one(args: argparse.Namespace, given: dict[str, int | None], base: dict[str, Any]) -> int:
+    from rich.console import Console
+
+    from hyperdryrun.child import ChildDied, ChildFailed, run_in_child
+    from hyperdryrun.report.console import print_summary
+    from hyperdryrun.runner import crashed_rank
+
+    options = {
+        "spec": args.script,
+        "argv": list(args.script_args),
+        "given": given,
+        "base": base,
+        "capture_stacks": not args.no_stacks,
+    }
+    if args.in_process:
+        out = run_script_rank(options)
+    else:
+        with tempfile.TemporaryDirectory(prefix="hyperdryrun-script-") as tmp:
+            options["identity_file"] = os.path.join(tmp, "identity.json")
+            try:
+                out = run_in_child(run_script_rank, options)
+            except ChildDied as err:
+                note = Path(options["identity_file"])
+                identity = json.loads(note.read_text()) if note.exists() else given
+                meta = {"script": {"spec": args.script}}
+                out = crashed_rank(config_for(base, identity), err.exitcode, metadata=meta)
+            except ChildFailed as err:
+                if args.debug:
+                    sys.stderr.write(err.traceback_text)
+                return internal_error(str(err), None, args.debug)
+    if out.error:
+        return exit_code_of([out], args.debug)
+    s = out.report["summary"]
+    if args.quiet:
+        Console().print(
+            f"peak {s['peak_gib']:.2f} GiB ({s['peak_phase']}); {s.get('verdict', '')}".rstrip("; ")
+        )
+    else:
+        print_summary(out.report, out.paths)
+    return EXIT_VERDICT if out.oom else EXIT_OK
+
+
+def _probe(args: argparse.Namespace, given: dict[str, int | None]) -> dict[str, Any] | int:
+    """The probe's answer, or the exit code of its failure (printed)."""
+    from hyperdryrun.child import ChildDied, ChildFailed, run_in_child
+
+    try:
+        probed = run_in_child(probe_script, args.script, given, args.fit, tuple(args.script_args))
+    except ChildDied as err:
+        return internal_error(f"loading {args.script!r}: {err}", None, args.debug)
+    except ChildFailed as err:
+        if args.debug:
+            sys.stderr.write(err.traceback_text)
+        return internal_error(str(err), None, args.debug)
+    if "error" in probed:
+        return fail(probed["error"])
+    return probed
+
+
+def _many(args: argparse.Namespace, given: dict[str, int | None], base: dict[str, Any]) -> int:
+    probed = _probe(args, given)
+    if isinstance(probed, int):
+        return probed
+    identity = probed["identity"]
+    size = identity["world_size"]
+    if args.fit:
+        return _fit(args, base, identity, probed)
+    cfg = config_for(base, {**identity, "rank": 0})
+    try:
+        ranks = parse_ranks(args, size)
+    except ConfigError as err:
+        return fail(str(err), err, args.debug)
+    assert ranks is not None
+    classes = probed["classes"][0]
+    if args.all_ranks:
+        ranks = [c["ranks"][0] for c in classes]
+    outcomes = _run(args, cfg, ranks, {})
+    from hyperdryrun.report.console import print_ranks
+
+    rows = [(o.rank, o.report if not o.error else None, o.error) for o in outcomes]
+    title = f"{args.script}: {len(rows)} of {size} ranks"
+    print_ranks(cfg, rows, [p for o in outcomes for p in o.paths], quiet=args.quiet, title=title)
+    if args.all_ranks:
+        _write_classes(args, cfg, classes, outcomes)
+    return exit_code_of(outcomes, args.debug)
+
+
+def _run(args: argparse.Namespace, cfg: Any, ranks: list[int], layout: dict[str, Any]) -> list[Any]:
+    from hyperdryrun.integrations.script import ScriptExecute
+    from hyperdryrun.runner import run_ranks
+
+    return run_ranks(
+        cfg,
+        ranks,
+        args.jobs,
+        capture_stacks=not args.no_stacks,
+        execute=ScriptExecute(args.script, layout, tuple(args.script_args)),
+        show_progress=False if args.quiet else None,
+    )
+
+
+def classes_report(
+    args: argparse.Namespace, cfg: Any, classes: list[dict[str, Any]], outcomes: list[Any]
+) -> dict[str, Any]:
+    """``rank_classes.json`` of a script's job: the keys of ``run --all-ranks``'s, the script named for the model."""
+    from hyperdryrun.search.classes import rank_ranges
+
+    by_rank = {o.rank: o for o in outcomes}
+    rows = []
+    rank_class = [0] * cfg.world.world_size
+    for i, c in enumerate(classes):
+        o = by_rank.get(c["ranks"][0])
+        s = (o.report or {}).get("summary", {}) if o is not None and not o.error else {}
+        for r in c["ranks"]:
+            rank_class[r] = i
+        rows.append(
+            {
+                "class": i,
+                "representative": c["ranks"][0],
+                "ranks": rank_ranges(c["ranks"]),
+                "num_ranks": len(c["ranks"]),
+                "what": "no rank_class declared" if c["key"] is None else f"rank_class {c['key']!r}",
+                "peak_bytes": s.get("peak_bytes"),
+                "peak_reserved_bytes": s.get("peak_reserved_bytes"),
+                "peak_device_bytes": s.get("peak_device_bytes"),
+                "error": None if o is None else o.error,
+                "report": o.paths[0] if o is not None and o.paths else None,
+            }
+        )
+    return {
+        "script": args.script,
+        "world_size": cfg.world.world_size,
+        "classes": rows,
+        "rank_class": rank_class,
+    }
+
+
+def _write_classes(
+    args: argparse.Namespace, cfg: Any, classes: list[dict[str, Any]], outcomes: list[Any]
+) -> None:
+    from rich.console import Console
+
+    from hyperdryrun.report.writer import atomic_write
+    from hyperdryrun.search.classes import print_rank_classes
+
+    report = classes_report(args, cfg, classes, outcomes)
+    path = Path(cfg.output_dir) / "rank_classes.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(report, indent=1) + "\n")
+    except OSError as err:  # the rank reports failed the same way and set the exit code
+        sys.stderr.write(
+            f"hyperdryrun: error: --output-dir {cfg.output_dir!r}: cannot write rank_classes.json: {err}\n"
+        )
+        return
+    if not args.quiet:
+        print_rank_classes(report)
+        Console().print(f"[dim]wrote {path}[/]", soft_wrap=True)
+
+
+# ------------------------------------------------------------------------------------------------- --fit
+def _fit(
+    args: argparse.Namespace, base: dict[str, Any], identity: dict[str, Any], probed: dict[str, Any]
+) -> int:
+    """Every declared layout, each rank class once, into ``<output-dir>/layout_<i>/``; a table in the declared
+    order; the first layout that fits is the choice (exit 0), none fits: exit 1."""
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = []
+    failed: list[Any] = []
+    for i, (layout, classes) in enumerate(zip(probed["layouts"], probed["classes"], strict=True)):
+        out = str(Path(base.get("output_dir") or config_for(base, identity).output_dir) / f"layout_{i}")
+        cfg = config_for({**base, "output_dir": out}, {**identity, "rank": 0})
+        outcomes = _run(args, cfg, [c["ranks"][0] for c in classes], layout)
+        errors = [o for o in outcomes if o.error]
+        failed += errors
+        ok = [o.report["summary"] for o in outcomes if not o.error]
+        worst_o = min(
+            (o for o in outcomes if not o.error),
+            key=lambda o: o.report["summary"]["headroom_bytes"],
+            default=None,
+        )
+        rows.append((i, layout, classes, worst_o, errors, all(not s["oom"] for s in ok) and not errors))
+    chosen = next((r[0] for r in rows if r[5]), None)
+    console = Console() if Console().is_terminal else Console(width=130)
+    t = Table(title=f"{args.script}: {len(rows)} layouts declared, {identity['world_size']} ranks",
+              title_justify="left", title_style="bold", show_edge=False, pad_edge=False)  # fmt: skip
+    for col in (
+        "#",
+        "layout",
+        "classes",
+        "worst rank",
+        "allocated",
+        "reserved",
+        "device",
+        "headroom",
+        "verdict",
+    ):
+        t.add_column(col, justify="left" if col in ("layout", "verdict") else "right")
+    gib = "{:,.2f}".format
+    for i, layout, classes, worst, errors, fits in rows:
+        name = " ".join(f"{k}={v}" for k, v in layout.items()) or "(empty)"
+        if worst is None:
+            t.add_row(
+                str(i), name, str(len(classes)), "", "", "", "", "", f"[red]error[/]: {errors[0].error}"
+            )
+            continue
+        s = worst.report["summary"]
+        device = s.get("peak_device_bytes")
+        verdict = "[red]error[/]" if errors else ("[green]fits[/]" if fits else "[red]OOM[/]")
+        if i == chosen:
+            verdict += " (chosen)"
+        t.add_row(str(i), name, str(len(classes)), str(worst.rank), gib(s["peak_allocated_bytes"] / 2**30)
+                  if s.get("peak_allocated_bytes") is not None else gib(s["peak_bytes"] / 2**30),
+                  "" if s.get("peak_reserved_bytes") is None else gib(s["peak_reserved_bytes"] / 2**30),
+                  "" if device is None else gib(device / 2**30), gib(s["headroom_bytes"] / 2**30), verdict)  # fmt: skip
+    if not args.quiet:
+        console.print(t)
+    if chosen is not None:
+        name = " ".join(f"{k}={v}" for k, v in rows[chosen][1].items())
+        console.print(f"chosen: layout {chosen} ({name}), the first declared that fits")
+    else:
+        console.print("no declared layout fits")
+    if failed:  # a failure wins over a verdict, as in run
+        return exit_code_of(failed, args.debug)
+    return EXIT_OK if chosen is not None else EXIT_VERDICT
