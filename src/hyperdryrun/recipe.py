@@ -114,11 +114,24 @@ def chunked_loss(num_chunks: int):
     return loss_fn
 
 
+def loss_kind(cfg: JobConfig) -> str:
+    """The loss the step runs: ``chunked``, the model family's own (``hf``: HF's ``loss_function``) or
+    ``cross-entropy`` (the built-in fp32 cross entropy, which is also the built-in presets' own)."""
+    t, family = cfg.training, cfg.model.family
+    if t.loss == "chunked":
+        return "chunked"
+    return family.name if t.loss == "model" and family.loss is not None else "cross-entropy"
+
+
 def loss_fn(cfg: JobConfig):
-    """The micro batch's loss: token cross entropy of the model's logits (HF models: the family's ``logits``), or
-    torchtitan's chunked loss (``training.loss: chunked``)."""
-    if cfg.training.loss == "chunked":
+    """The micro batch's loss: the model's own (HF models: ``labels=`` through their ``loss_function``), the
+    token cross entropy of the model's logits in fp32 (``training.loss: builtin``; HF models: the family's
+    ``logits``), or torchtitan's chunked loss (``training.loss: chunked``)."""
+    kind = loss_kind(cfg)
+    if kind == "chunked":
         return chunked_loss(cfg.training.chunks)
+    if kind != "cross-entropy":
+        return cfg.model.family.loss
     logits = cfg.model.family.logits
     return (
         llama_loss
@@ -167,7 +180,7 @@ def job_metadata(cfg: JobConfig) -> dict:
             "selective": t.ac_selective if t.ac == "selective" else None,
         },
         "optimizer_config": {"name": t.optimizer, "implementation": t.optimizer_impl},
-        "loss": {"kind": t.loss, "chunks": t.chunks if t.loss == "chunked" else None},
+        "loss": {"kind": loss_kind(cfg), "chunks": t.chunks if t.loss == "chunked" else None},
         "norm": getattr(args, "norm", None),
         "fuse_qkv": getattr(args, "fuse_qkv", None),
         "rope": getattr(args, "rope", None),
