@@ -219,8 +219,11 @@ class TrainingConfig(_Strict):
     ac_selective: str = "op"
     """``op`` (torchtitan 0.3.0: save compute-heavy ops' outputs but recompute every second matmul),
     ``op-save-all-matmuls`` (save every matmul and attention output) or ``k`` (checkpoint every k-th layer)."""
-    loss: Literal["cross-entropy", "chunked"] = "cross-entropy"
-    """``chunked``: torchtitan's ChunkedLossWrapper, the output head and the loss run per sequence chunk."""
+    loss: Literal["model", "builtin", "chunked"] = "model"
+    """``model``: the model's own loss (Hugging Face models: ``labels=`` through their ``loss_function``; the
+    built-in presets: the built-in one); ``builtin``: the fp32 cross entropy of the logits (torchtitan's; the old
+    name ``cross-entropy`` is read as it); ``chunked``: torchtitan's ChunkedLossWrapper, the output head and the
+    loss run per sequence chunk."""
     loss_chunks: int | None = Field(None, gt=0)
     """Sequence chunks of the chunked loss (default :data:`DEFAULT_LOSS_CHUNKS`, torchtitan's)."""
     optimizer: Literal["AdamW", "Adam", "SGD"] = "AdamW"
@@ -237,6 +240,11 @@ class TrainingConfig(_Strict):
                 f"must be {', '.join(map(repr, AC_SELECTIVE_OPS))} or a positive layer interval, got {v!r}"
             )
         return v
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _old_loss_name(cls, v: Any) -> Any:
+        return "builtin" if v == "cross-entropy" else v
 
     @model_validator(mode="after")
     def _loss_chunks_need_chunked(self) -> TrainingConfig:

@@ -21,6 +21,8 @@ from torch import nn
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.trace.optimizer_state import describe, no_state_limitation, warm_up
+from hyperdryrun.trace.sites import recording_sites, resident_sites
+from hyperdryrun.trace.stacks import step_code
 from hyperdryrun.trace.step import StepTrace
 from hyperdryrun.trace.tensors import resident_tensors
 from hyperdryrun.trace.tracker import MemoryTracker
@@ -88,6 +90,7 @@ def micro_batch_step(
 ) -> StepFn:
     """The usual step: forward + backward per micro batch (loss / n), then optimizer step and zero_grad."""
 
+    @step_code
     def step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[Any]) -> None:
         for batch in batches:
             with context():
@@ -332,7 +335,7 @@ def prepare(
     values from ``plan.init_fn``, then one untracked warm-up step. ``stages`` gets each stage's name as it starts."""
     stages = stages if stages is not None else []
     stages.append("model")
-    with torch.device("meta"):
+    with torch.device("meta"), recording_sites():
         model = plan.model_fn()
     stages.append("parallelize")
     if plan.parallelize_fn is not None:
@@ -416,6 +419,8 @@ def step_trace(tracker: MemoryTracker, initial: int) -> StepTrace:
 
 
 def _seed(tracker: MemoryTracker, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Blocks for what exists before the step (:func:`~hyperdryrun.trace.tensors.resident_tensors`)."""
+    """Blocks for what exists before the step (:func:`~hyperdryrun.trace.tensors.resident_tensors`), each with the
+    stack of the line that created its parameter or buffer (:mod:`hyperdryrun.trace.sites`)."""
+    sites = resident_sites(model, optimizer) if tracker.capture_stacks else {}
     for tensor, category, fqn in resident_tensors(model, optimizer):
-        tracker.seed(tensor, category, fqn)
+        tracker.seed(tensor, category, fqn, sites.get(id(tensor.untyped_storage()), ()))

@@ -21,6 +21,7 @@ from hyperdryrun.parallel.optimizer import build_optimizer
 from hyperdryrun.parallel.pipeline import DecoderPipeline, PipelineStages
 from hyperdryrun.parallel.train_spec import train_spec
 from hyperdryrun.trace.blocks import Category
+from hyperdryrun.trace.stacks import step_code
 from hyperdryrun.version import __version__
 from hyperdryrun.world.values import use_rules
 
@@ -45,6 +46,7 @@ def model_fn(cfg: JobConfig):
 def batch_fn(cfg: JobConfig):
     t, vocab = cfg.training, cfg.model.args().vocab_size
 
+    @step_code
     def make(i: int, device: torch.device):
         shape = (t.micro_batch_size, t.seq_len)
         return torch.randint(0, vocab, shape, device=device), torch.randint(0, vocab, shape, device=device)
@@ -52,6 +54,7 @@ def batch_fn(cfg: JobConfig):
     return make
 
 
+@step_code
 def llama_loss(model, batch) -> torch.Tensor:
     tokens, labels = batch
     return cross_entropy_loss(model(tokens), labels)
@@ -78,6 +81,7 @@ def chunked_loss(num_chunks: int):
     copied into one fp32 buffer; the head stays unsharded across chunks and reduces its gradient at the last."""
     from torch.distributed.fsdp import FSDPModule
 
+    @step_code
     def loss_fn(model, batch) -> torch.Tensor:
         tokens, labels = batch
         model.skip_output = True
@@ -114,17 +118,33 @@ def chunked_loss(num_chunks: int):
     return loss_fn
 
 
+def loss_kind(cfg: JobConfig) -> str:
+    """The loss the step runs: ``chunked``, the model family's own (``hf``: HF's ``loss_function``) or
+    ``cross-entropy`` (the built-in fp32 cross entropy, which is also the built-in presets' own)."""
+    t, family = cfg.training, cfg.model.family
+    if t.loss == "chunked":
+        return "chunked"
+    return family.name if t.loss == "model" and family.loss is not None else "cross-entropy"
+
+
 def loss_fn(cfg: JobConfig):
-    """The micro batch's loss: token cross entropy of the model's logits (HF models: the family's ``logits``), or
-    torchtitan's chunked loss (``training.loss: chunked``)."""
-    if cfg.training.loss == "chunked":
+    """The micro batch's loss: the model's own (HF models: ``labels=`` through their ``loss_function``), the
+    token cross entropy of the model's logits in fp32 (``training.loss: builtin``; HF models: the family's
+    ``logits``), or torchtitan's chunked loss (``training.loss: chunked``)."""
+    kind = loss_kind(cfg)
+    if kind == "chunked":
         return chunked_loss(cfg.training.chunks)
+    if kind != "cross-entropy":
+        return cfg.model.family.loss
     logits = cfg.model.family.logits
-    return (
-        llama_loss
-        if logits is None
-        else lambda model, batch: cross_entropy_loss(logits(model, batch[0]), batch[1])
-    )
+    if logits is None:
+        return llama_loss
+
+    @step_code
+    def builtin_loss(model, batch) -> torch.Tensor:
+        return cross_entropy_loss(logits(model, batch[0]), batch[1])
+
+    return builtin_loss
 
 
 def loss_context(cfg: JobConfig):
@@ -167,7 +187,7 @@ def job_metadata(cfg: JobConfig) -> dict:
             "selective": t.ac_selective if t.ac == "selective" else None,
         },
         "optimizer_config": {"name": t.optimizer, "implementation": t.optimizer_impl},
-        "loss": {"kind": t.loss, "chunks": t.chunks if t.loss == "chunked" else None},
+        "loss": {"kind": loss_kind(cfg), "chunks": t.chunks if t.loss == "chunked" else None},
         "norm": getattr(args, "norm", None),
         "fuse_qkv": getattr(args, "fuse_qkv", None),
         "rope": getattr(args, "rope", None),

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 from hyperdryrun.config import ConfigError, build_config  # noqa: E402
-from hyperdryrun.measure.accuracy import compare_job  # noqa: E402
+from hyperdryrun.measure.accuracy import compare_job, phases  # noqa: E402
 from hyperdryrun.models import hf  # noqa: E402
 from hyperdryrun.recipe import run_job  # noqa: E402
 
@@ -57,6 +57,61 @@ def test_hf_llama_dry_run_equals_its_real_cpu_execution_per_phase():
     assert r.measured_peak_without_scratch == r.dry_peak
     for phase, (dry, measured) in r.phase_peaks.items():
         assert dry == measured, phase
+
+
+LOSS_OPS = ("_to_copy", "constant_pad_nd", "clone", "_log_softmax", "nll_loss_forward")
+
+
+def _loss_blocks(trace) -> list[tuple[str, int]]:
+    """(op, bytes) of the forward blocks from the head's logits on, in order, that the loss's ops made."""
+    head = max(b.start for b in trace.blocks if b.module == "lm_head" and str(b.phase) == "forward")
+    blocks = sorted(
+        (b for b in trace.blocks if b.start > head and str(b.phase) == "forward"), key=lambda b: b.start
+    )
+    return [(b.op, b.size) for b in blocks if b.op in LOSS_OPS]
+
+
+def test_hf_own_loss_bytes_by_hand_equal_real_cpu_execution_and_the_builtin_loss_lacks_the_label_copies():
+    from hyperdryrun.measure.step import measure_job
+
+    # bf16 compute (FSDP2 over one rank), 2 sequences of 64 tokens, vocabulary 256: the head's logits are bf16.
+    data = {"training": {"seq_len": 64, "micro_batch_size": 2}, "target_device": "cpu"}
+    data["model"] = {"name": "hf:llama-3.1-8b", **TINY}
+    cfg = build_config(data)
+    assert cfg.training.loss == "model"
+    b, s, v = 2, 64, 256
+    # transformers' ForCausalLMLoss: logits.float() (an fp32 copy of the bf16 logits), labels padded with one -100
+    # per row (int64, b x (s+1)), labels[..., 1:].contiguous() (a strided slice of 2 rows: an int64 copy, b x s),
+    # then cross_entropy: log_softmax in fp32 (b*s x v) and nll_loss's loss and total weight (fp32 scalars).
+    by_hand = [
+        ("_to_copy", b * s * v * 4),
+        ("constant_pad_nd", b * (s + 1) * 8),
+        ("clone", b * s * 8),
+        ("_log_softmax", b * s * v * 4),
+        ("nll_loss_forward", 4),
+        ("nll_loss_forward", 4),
+    ]
+    dry = run_job(cfg, capture_stacks=False)
+    measured = measure_job(cfg, capture_stacks=False)
+    assert dry.metadata["loss"] == {"kind": "hf", "chunks": None}
+    assert _loss_blocks(dry) == by_hand
+    assert _loss_blocks(measured) == by_hand
+    # The whole step equal to the byte, its peak and every phase (measured without kernel scratch).
+    assert measured.metadata["kernel_scratch"]["peak_bytes_excluding"] == dry.peak
+    dry_phases = {k: p["peak_bytes"] for k, p in phases(dry).items()}
+    assert measured.metadata["kernel_scratch"]["phase_peak_bytes_excluding"] == dry_phases
+    # --loss builtin (the old name cross-entropy too): the same fp32 copy and cross entropy of the logits, on the
+    # recipe's labels as given: no pad, no shifted copy; and after the model's forward has returned, so FSDP2 has
+    # resharded the root unit (its bf16 embedding v x d, head v x d and final norm d, gathered for the forward).
+    # HF's loss runs inside the root's forward: at its forward peak (the log_softmax) those are still held.
+    d = TINY["dim"]
+    root_unsharded = (2 * v * d + d) * 2
+    for name in ("builtin", "cross-entropy"):
+        builtin = run_job(build_config({**data, "training": {**data["training"], "loss": name}}), False)
+        assert builtin.metadata["loss"] == {"kind": "cross-entropy", "chunks": None}
+        assert _loss_blocks(builtin) == [x for x in by_hand if x[0] not in ("constant_pad_nd", "clone")]
+        forward = phases(builtin)["forward"]["peak_bytes"]
+        assert dry_phases["forward"] - forward == root_unsharded + b * (s + 1) * 8 + b * s * 8
 
 
 def test_hf_llama_matches_the_built_in_preset_of_the_same_shape():

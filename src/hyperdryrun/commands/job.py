@@ -123,7 +123,8 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--loss": (
         "training.loss",
         str,
-        "cross-entropy|chunked (torchtitan's ChunkedLossWrapper: head and loss per chunk)",
+        "model|builtin|chunked: the model's own (default; hf: models: labels= through HF's loss_function), the "
+        "built-in fp32 cross entropy, or torchtitan's ChunkedLossWrapper (head and loss per chunk)",
     ),
     "--loss-chunks": (
         "training.loss_chunks",

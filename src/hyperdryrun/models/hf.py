@@ -364,6 +364,17 @@ def hf_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens, use_cache=False).logits
 
 
+def hf_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The model's own loss, as HF users train: ``model(input_ids=tokens, labels=labels).loss``, which runs the
+    model's ``loss_function`` (causal LMs: transformers' ``ForCausalLMLoss``: the logits upcast to fp32, the
+    labels padded with -100 and shifted by one, then ``cross_entropy`` with ``ignore_index=-100``)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    tokens, labels = batch
+    with PatchSet(_one_sequence_per_row()) if isinstance(tokens, FakeTensor) else contextlib.nullcontext():
+        return model(input_ids=tokens, labels=labels, use_cache=False).loss
+
+
 def _one_sequence_per_row() -> list[Patch]:
     from transformers import masking_utils
 

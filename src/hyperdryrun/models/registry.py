@@ -37,6 +37,9 @@ class ModelFamily:
     """How the ``--model`` help introduces this family's presets ("MoE: ..."); none for the first family."""
     logits: Callable[[nn.Module, Any], Any] | None = None
     """``logits(model, tokens)`` when the model's forward does not return the logits itself (Hugging Face)."""
+    loss: Callable[[nn.Module, Any], Any] | None = None
+    """``loss(model, batch)``: the model's own loss (``training.loss: model``) where it is not the built-in fp32
+    cross entropy of the logits (Hugging Face: ``labels=`` through the model's ``loss_function``)."""
     prefix: str = ""
     """Model names of the form ``<prefix>NAME`` belong to this family (``hf:``), besides its presets."""
 
@@ -140,6 +143,7 @@ HF = register_family(
         is_moe=True,
         label="Hugging Face",
         logits=hf.hf_logits,
+        loss=hf.hf_loss,
         prefix=hf.HF_PREFIX,
     )
 )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from types import FrameType
+from collections.abc import Callable, Sequence
+from types import CodeType, FrameType
+from typing import TypeVar
 
 MAX_FRAMES = 64
 
@@ -23,6 +25,19 @@ _LAUNCHERS = os.path.join(sys.prefix, "bin") + os.sep  # console-script entry po
 _SITE = tuple(sorted({p + os.sep for p in sys.path if p.endswith(("site-packages", "dist-packages"))}))
 _STDLIB = _dir(os.__file__)
 _HARNESS = tuple(os.sep + name + os.sep for name in ("_pytest", "pytest", "pluggy"))
+
+
+_STEP_CODE: set[CodeType] = set()
+"""Code objects of hyperdryrun that are the training step a CLI user runs (see :func:`step_code`)."""
+F = TypeVar("F", bound=Callable)
+
+
+def step_code(fn: F) -> F:
+    """Keep ``fn``'s frames in stacks although it lives in hyperdryrun: the built-in recipe's step, loss and
+    batches are the training code of a CLI job (the line that calls ``loss.backward()`` or ``optimizer.step()``,
+    the line that makes the batch), as a user's own step is for theirs."""
+    _STEP_CODE.add(fn.__code__)
+    return fn
 
 
 def user_frame(filename: str) -> bool:
@@ -65,9 +80,10 @@ class StackTable:
         f = frame if frame is not None else sys._getframe(1)
         key = []
         keep = self._keep
+        step = _STEP_CODE
         while f is not None and len(key) < MAX_FRAMES:
             code = f.f_code
-            if keep(code.co_filename):
+            if keep(code.co_filename) or code in step:
                 key.append((code, f.f_lineno))
             f = f.f_back
         tkey = tuple(key)
@@ -76,6 +92,17 @@ class StackTable:
             sid = len(self._frames)
             self._ids[tkey] = sid
             self._frames.append(tuple((c.co_filename, line, c.co_name) for c, line in tkey))
+        return sid
+
+    def intern(self, frames: Sequence[Frame]) -> int:
+        """The id of a stack given as frames (innermost first), e.g. one captured before this table existed."""
+        key = ("frames", tuple(frames))
+        sid = self._ids.get(key)
+        if sid is None:
+            if not frames:
+                return 0
+            sid = self._ids[key] = len(self._frames)
+            self._frames.append(tuple(frames))
         return sid
 
     def frames(self, stack_id: int) -> tuple[Frame, ...]:

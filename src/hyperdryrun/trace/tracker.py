@@ -81,6 +81,9 @@ _GROUP_ARGS = ("group_name", "process_group")
 
 
 _active: MemoryTracker | None = None
+_sequence_nr = torch._C._autograd._get_sequence_nr
+"""The calling thread's next autograd node sequence number (torch 2.13 ``at::sequence_number::peek``): a node
+made by an op's autograd kernel takes it just before the op is dispatched to the fake mode."""
 
 
 def active_tracker() -> MemoryTracker | None:
@@ -134,6 +137,12 @@ class MemoryTracker:
         self.process_groups: dict[str, None] = {}
         """Names of the process groups the step's collectives and point-to-point ops ran on, in first-use order."""
         self._group_arg: dict[Any, int] = {}
+        self._node_stack: dict[int, int] = {}
+        """Sequence number of an autograd node made in forward -> the stack of the forward op it belongs to: the
+        first op dispatched after the node was made (the op whose autograd kernel made it; for a node made without
+        an op of its own, a view or a hook's ``autograd.Function``, the op that follows it)."""
+        self._seq_seen = 0
+        """The main thread's next autograd sequence number when the last forward op was dispatched."""
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, root: torch.nn.Module | None = None) -> None:
@@ -152,6 +161,7 @@ class MemoryTracker:
         self._handles.append(register_optimizer_step_post_hook(self._post_opt))
         self._patches = PatchSet([self._resize_patch()])
         self._patches.__enter__()
+        self._seq_seen = _sequence_nr()
         global _active
         self._outer, _active = _active, self
         self.active = True
@@ -231,13 +241,15 @@ class MemoryTracker:
         """Context in which new blocks default to ``category`` (e.g. the batch's input tensors)."""
         return _Label(self, category)
 
-    def seed(self, tensor: torch.Tensor, category: Category, module: str = "") -> None:
+    def seed(self, tensor: torch.Tensor, category: Category, module: str = "", frames: tuple = ()) -> None:
         """A storage that exists before the step: a block from the start, phase ``initialization``, owned by
-        ``module`` (the FQN of the module whose parameter, buffer or optimizer state it is)."""
+        ``module`` (the FQN of the module whose parameter, buffer or optimizer state it is), with the stack
+        ``frames`` (the line that created that parameter or buffer)."""
         st = local_tensor(tensor).untyped_storage()
         key = id(st)
         if key not in self._refs and st.nbytes() > 0:
-            self._open(st, key, 0, "initialization", Phase.INITIALIZATION, stack_id=0, module=module)
+            sid = self.stacks.intern(frames) if self.capture_stacks else 0
+            self._open(st, key, 0, "initialization", Phase.INITIALIZATION, stack_id=sid, module=module)
         self.mark(tensor, category)
 
     # ----------------------------------------------------------------- dispatch
@@ -310,6 +322,16 @@ class MemoryTracker:
                     used.append(blk)
             elif key not in inputs and st.nbytes() > 0 and all(s is not st for s in new):
                 new.append(st)
+        sid = -1
+        if self.capture_stacks:
+            seq = _sequence_nr()
+            if seq != self._seq_seen:  # autograd nodes were made since the last op: in forward, this op's
+                if torch._C._current_graph_task_id() == -1 and not self._optimizer_depth:
+                    sid = self.stacks.capture(sys._getframe(1))
+                    node_stack = self._node_stack
+                    for n in range(self._seq_seen, seq):
+                        node_stack[n] = sid
+                self._seq_seen = seq
         if not used and not new:
             return
         task = len(self.task_op)
@@ -325,10 +347,26 @@ class MemoryTracker:
             if not users or users[-1] != task:
                 users.append(task)
         if new:
-            sid = self.stacks.capture(sys._getframe(1)) if self.capture_stacks else 0
+            if not self.capture_stacks:
+                sid = 0
+            elif phase is Phase.BACKWARD:
+                sid = self._backward_stack(sys._getframe(1))
+            elif sid < 0:
+                sid = self.stacks.capture(sys._getframe(1))
             for st in new:
                 self._open(st, id(st), task, name, phase, sid)
             self._end_task(phase)
+
+    def _backward_stack(self, frame: Any) -> int:
+        """The stack of a backward allocation: the forward op whose autograd node is running (the engine's
+        current node); a node made outside the traced forward (AccumulateGrad of a leaf, a node of the set-up) has
+        none, and then the stack where backward runs (the line that called ``backward()``)."""
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            sid = self._node_stack.get(node._sequence_nr())
+            if sid is not None:
+                return sid
+        return self.stacks.capture(frame)
 
     def _alias(self, inp: Any, out: Any) -> bool:
         """``out`` is ``inp``'s memory: torch 2.13's real ``_c10d_functional.wait_tensor`` returns its input, while
@@ -408,7 +446,12 @@ class MemoryTracker:
                     del self._live[other]
             self._pending.append(blk)
         if new > 0:
-            sid = self.stacks.capture(sys._getframe(2)) if self.capture_stacks else 0
+            if not self.capture_stacks:
+                sid = 0
+            elif phase is Phase.BACKWARD:
+                sid = self._backward_stack(sys._getframe(2))
+            else:
+                sid = self.stacks.capture(sys._getframe(2))
             self._open(st, key, task, RESIZE_OP, phase, sid)
             self._end_task(phase)
 
