@@ -347,9 +347,6 @@ class TorchtitanJob:
         p = self.config.parallelism
         refused = [
             (self.real, "--parallelism.pipeline_parallel_degree", "measure runs no pipeline-parallel job"),
-            (dims.tp > 1, "--parallelism.tensor_parallel_degree", "TP is not run with pipeline parallel"),
-            (dims.cp > 1, "--parallelism.context_parallel_degree", "CP is not run with pipeline parallel"),
-            (dims.ep > 1, "--parallelism.expert_parallel_degree", "EP is not run with pipeline parallel"),
             (
                 bool(p.pipeline_parallel_schedule_csv),
                 "--parallelism.pipeline_parallel_schedule_csv",
@@ -594,15 +591,24 @@ class TorchtitanJob:
         from hyperdryrun.parallel.pipeline import StageShapes, tracked_stage
 
         config, model_config = self.config, self.config.model_spec.model
-        t = config.training
+        t, dims = config.training, self.parallel_dims
         # with the chunked loss, the last stage returns the normed hidden states (its loss runs the head)
         head = not isinstance(self.loss_fn, ChunkedLossWrapper)
+        tp = self._tp_stage_placements(head) if dims.tp_enabled else {}
 
         def stage(part: nn.Module, index: int, num_stages: int, device: torch.device, **kw: Any) -> Any:
             mb = config.parallelism.pipeline_parallel_microbatch_size
             dtype = TORCH_DTYPE_MAP[t.mixed_precision_param]  # torchtitan always installs FSDP2's policy
             shapes = StageShapes(
-                mb, t.seq_len, model_config.dim, model_config.vocab_size, dtype, num_stages, head=head
+                mb,
+                t.seq_len,
+                model_config.dim,
+                model_config.vocab_size,
+                dtype,
+                num_stages,
+                head=head,
+                cp=dims.cp,
+                **tp,
             )
             built = tracked_stage(part, index, device, kw.pop("group"), shapes, **kw)
             built._runtime_validate = True  # a wrong static shape is an error, not a wrong peak
@@ -616,6 +622,20 @@ class TorchtitanJob:
             "step by running each stage and exchanging the metadata over p2p with the neighbouring ranks, which one "
             "process on a fake process group cannot do",
         )
+
+    def _tp_stage_placements(self, head: bool) -> dict[str, Any]:
+        """What flows between stages under torchtitan's TP (``partial_dtensor``): the hidden state stays a DTensor
+        on the tp mesh, sequence-sharded (``Shard(1)``) with sequence parallel, else replicated; the last stage
+        returns vocab-sharded logits (``Shard(2)``, its loss-parallel cross entropy), or with the chunked loss
+        the normed hidden state the root norm all-gathers (``Replicate()``)."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        sp = self.config.parallelism.enable_sequence_parallel
+        return {
+            "mesh": self.parallel_dims.get_mesh("tp"),
+            "hidden_placements": (Shard(1),) if sp else (Replicate(),),
+            "output_placements": (Shard(2),) if head else (Replicate(),),
+        }
 
     def build_optimizers(self, params: list[nn.Parameter]) -> Any:
         """After ``to_empty``: torchtitan's buffer initialisation, loss, optimizer and LR-scheduler containers."""
