@@ -163,11 +163,6 @@ def test_a_pipeline_job_leaves_the_world_as_found(fails, monkeypatch):
     "argv, message",
     [
         (
-            [*PP2, "--parallelism.tensor_parallel_degree", "2"],
-            "parallelism.tensor_parallel_degree (--parallelism.tensor_parallel_degree): TP is not run with pipeline "
-            "parallel in the dry run (got 2)",
-        ),
-        (
             [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
             "activation_checkpoint (activation-checkpoint:selective): torch's selective activation checkpointing "
             "allows one backward per region and ZBVZeroBubble runs two (inputs, then weights)",

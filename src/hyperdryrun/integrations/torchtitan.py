@@ -171,6 +171,52 @@ def _titan_patches(real: bool = False) -> list[Patch]:
     ]
 
 
+def _routing_patches() -> list[Patch]:
+    """torchtitan's expert-parallel all-to-all reads its split sizes from the routing (``.tolist()`` of token
+    counts per EP rank); on fake tensors they come from the routing rule (``moe.token_counts``: balanced unless
+    given), every EP rank routing its tokens alike."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    from hyperdryrun.world.values import _current_module, active_rules
+
+    cls = AllToAllTokenDispatcher
+    reorder = cls._local_reorder
+
+    def local_reorder(self: Any, x_TD: Any, topk_scores_TK: Any, topk_expert_ids_TK: Any) -> Any:
+        self._hyperdryrun_tokens_topk = tuple(topk_expert_ids_TK.shape)
+        return reorder(self, x_TD, topk_scores_TK, topk_expert_ids_TK)
+
+    def sync_token_count_exchange(
+        self: Any,
+        num_local_tokens_per_expert_E: Any,
+        num_global_tokens_per_local_expert_EP_e: Any,
+        ep_size: int,
+    ) -> tuple[Any, list[int], list[int]]:
+        rules = active_rules()
+        if rules is None:  # executed for real (measure): torchtitan's own exchange
+            return sync(self, num_local_tokens_per_expert_E, num_global_tokens_per_local_expert_EP_e, ep_size)
+        tokens, top_k = self._hyperdryrun_tokens_topk
+        experts = num_local_tokens_per_expert_E.shape[0]
+        counts = rules.token_counts(_current_module(), tokens, experts, top_k)
+        local = experts // ep_size
+        per_rank = [sum(counts[r * local : (r + 1) * local]) for r in range(ep_size)]
+        mine = per_rank[self.ep_mesh.get_local_rank()]
+        received = torch.ops._c10d_functional.wait_tensor(num_global_tokens_per_local_expert_EP_e)
+        return received.reshape(-1), per_rank, [mine] * ep_size
+
+    sync = cls._sync_token_count_exchange
+    why = (
+        "torchtitan 0.3.0's AllToAllTokenDispatcher reads the all-to-all split sizes with .tolist() (a device-to-"
+        "host sync of routing counts), which fake tensors cannot answer"
+    )
+    return [
+        Patch(cls, "_local_reorder", local_reorder, f"{why}: records the tokens and top-k it routes"),
+        Patch(
+            cls, "_sync_token_count_exchange", sync_token_count_exchange, f"{why}: the routing rule's counts"
+        ),
+    ]
+
+
 @contextlib.contextmanager
 def _restored_torchtitan_globals() -> Iterator[None]:
     """torchtitan sets process globals while it builds a job (the SPMD backend, dynamo and Inductor configs in
@@ -178,11 +224,13 @@ def _restored_torchtitan_globals() -> Iterator[None]:
     import torch._dynamo.config
     import torch._functorch.config
     import torch._inductor.config
+    import torch.distributed._symmetric_memory as symm_mem
     import torchtitan.distributed.utils as titan_dist
     from torchtitan.tools.logging import logger as titan_logger
 
     configs = [torch._dynamo.config, torch._functorch.config, torch._inductor.config]
     saved = [c.get_config_copy() for c in configs]
+    symm_stores = dict(symm_mem._group_name_to_store)  # async TP enables symmetric memory for the tp group
     backend = titan_dist.get_spmd_backend()
     level = titan_logger.level  # torchtitan logs to the root logger
     titan_logger.setLevel(logging.ERROR)  # its INFO/WARNING lines speak of a real run ("HF assets path ...")
@@ -191,6 +239,8 @@ def _restored_torchtitan_globals() -> Iterator[None]:
     finally:
         titan_logger.setLevel(level)
         titan_dist.set_spmd_backend(backend)
+        symm_mem._group_name_to_store.clear()
+        symm_mem._group_name_to_store.update(symm_stores)
         for config, values in zip(configs, saved):
             now = config.get_config_copy()
             for key, value in values.items():
@@ -320,6 +370,12 @@ class TorchtitanJob:
             )
         if self.attention is not None:
             self._use_attention(model_config)
+        if config.compile.enable_async_tensor_parallel and dims.tp_enabled:
+            self.limitations.append(
+                "compile.enable_async_tensor_parallel: async TP is Inductor's micro-pipeline pass over compiled "
+                "regions, which run eagerly in the dry run: TP collectives run unfused and async TP's symmetric-"
+                "memory buffers are not counted"
+            )
         if not t.disable_cuda_graphs:
             self.limitations.append(
                 "training.disable_cuda_graphs=False: on a CUDA GPU torchtitan captures forward+backward in a CUDA "
@@ -332,8 +388,8 @@ class TorchtitanJob:
             )
         self.limitations.append(
             f"torchtitan's data loader, tokenizer, checkpointer, metrics, validator and profiler do not run: each "
-            f"micro batch is {t.local_batch_size} x {t.seq_len} input tokens, positions (one document per row) and "
-            "labels made on the device"
+            f"micro batch is {self._micro_batch_size()} x {t.seq_len} input tokens, positions (one document per "
+            "row) and labels made on the device"
         )
         self._fill_metadata(dims, layers)
 
@@ -347,9 +403,6 @@ class TorchtitanJob:
         p = self.config.parallelism
         refused = [
             (self.real, "--parallelism.pipeline_parallel_degree", "measure runs no pipeline-parallel job"),
-            (dims.tp > 1, "--parallelism.tensor_parallel_degree", "TP is not run with pipeline parallel"),
-            (dims.cp > 1, "--parallelism.context_parallel_degree", "CP is not run with pipeline parallel"),
-            (dims.ep > 1, "--parallelism.expert_parallel_degree", "EP is not run with pipeline parallel"),
             (
                 bool(p.pipeline_parallel_schedule_csv),
                 "--parallelism.pipeline_parallel_schedule_csv",
@@ -594,15 +647,24 @@ class TorchtitanJob:
         from hyperdryrun.parallel.pipeline import StageShapes, tracked_stage
 
         config, model_config = self.config, self.config.model_spec.model
-        t = config.training
+        t, dims = config.training, self.parallel_dims
         # with the chunked loss, the last stage returns the normed hidden states (its loss runs the head)
         head = not isinstance(self.loss_fn, ChunkedLossWrapper)
+        tp = self._tp_stage_placements(head) if dims.tp_enabled else {}
 
         def stage(part: nn.Module, index: int, num_stages: int, device: torch.device, **kw: Any) -> Any:
             mb = config.parallelism.pipeline_parallel_microbatch_size
             dtype = TORCH_DTYPE_MAP[t.mixed_precision_param]  # torchtitan always installs FSDP2's policy
             shapes = StageShapes(
-                mb, t.seq_len, model_config.dim, model_config.vocab_size, dtype, num_stages, head=head
+                mb,
+                t.seq_len,
+                model_config.dim,
+                model_config.vocab_size,
+                dtype,
+                num_stages,
+                head=head,
+                cp=dims.cp,
+                **tp,
             )
             built = tracked_stage(part, index, device, kw.pop("group"), shapes, **kw)
             built._runtime_validate = True  # a wrong static shape is an error, not a wrong peak
@@ -616,6 +678,20 @@ class TorchtitanJob:
             "step by running each stage and exchanging the metadata over p2p with the neighbouring ranks, which one "
             "process on a fake process group cannot do",
         )
+
+    def _tp_stage_placements(self, head: bool) -> dict[str, Any]:
+        """What flows between stages under torchtitan's TP (``partial_dtensor``): the hidden state stays a DTensor
+        on the tp mesh, sequence-sharded (``Shard(1)``) with sequence parallel, else replicated; the last stage
+        returns vocab-sharded logits (``Shard(2)``, its loss-parallel cross entropy), or with the chunked loss
+        the normed hidden state the root norm all-gathers (``Replicate()``)."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        sp = self.config.parallelism.enable_sequence_parallel
+        return {
+            "mesh": self.parallel_dims.get_mesh("tp"),
+            "hidden_placements": (Shard(1),) if sp else (Replicate(),),
+            "output_placements": (Shard(2),) if head else (Replicate(),),
+        }
 
     def build_optimizers(self, params: list[nn.Parameter]) -> Any:
         """After ``to_empty``: torchtitan's buffer initialisation, loss, optimizer and LR-scheduler containers."""
@@ -667,7 +743,7 @@ class TorchtitanJob:
         from torchtitan.trainer import Trainer
 
         from hyperdryrun.parallel.pipeline import static_vote_patch
-        from hyperdryrun.world.values import ValueRule, ValueRules, use_rules
+        from hyperdryrun.world.values import ROUTING_OP, ValueRule, ValueRules, use_rules
 
         config, t = self.config, self.config.training
         trainer = Trainer.__new__(Trainer)
@@ -699,7 +775,10 @@ class TorchtitanJob:
         # train_step logs int(local_valid_tokens); with synthetic batches every label is valid.
         tokens = t.local_batch_size * t.seq_len * self.gradient_accumulation_steps
         rules = ValueRules(
-            [ValueRule(module="", op="aten._local_scalar_dense.default", handler="value", value=tokens)]
+            [
+                ValueRule(module="", op="aten._local_scalar_dense.default", handler="value", value=tokens),
+                ValueRule(module="*", op=ROUTING_OP, handler="balanced"),
+            ]
         )
         with (
             contextlib.nullcontext() if self.real else use_rules(rules, root=model),
@@ -836,7 +915,10 @@ def torchtitan_job(
     if version != TESTED_VERSION:
         job.limitations.append(f"torchtitan {version} is not the tested {TESTED_VERSION}")
     device = "cpu" if real else default_simulation_device()
-    with _restored_torchtitan_globals(), PatchSet(_device_patches(device) + _titan_patches(real)):
+    with (
+        _restored_torchtitan_globals(),
+        PatchSet(_device_patches(device) + _titan_patches(real) + ([] if real else _routing_patches())),
+    ):
         job.prepare()
         yield job
 

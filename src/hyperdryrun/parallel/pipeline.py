@@ -13,7 +13,7 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -99,6 +99,14 @@ class StageShapes:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     head: bool = True
+    cp: int = 1
+    """Context parallel degree: tokens and hidden states hold ``seq_len / cp`` positions of each row."""
+    mesh: Any = None
+    """The mesh of DTensor-typed stage inputs and outputs (torchtitan's TP, whose hidden states stay DTensors)."""
+    hidden_placements: tuple | None = None
+    """Placements on ``mesh`` of the hidden state between stages (None: a local tensor)."""
+    output_placements: tuple | None = None
+    """Placements on ``mesh`` of the last stage's output (None: a local tensor)."""
 
     @classmethod
     def of(cls, cfg: JobConfig) -> StageShapes:
@@ -117,35 +125,93 @@ class StageShapes:
         )
 
 
-def stage_io_examples(cfg: JobConfig, stage: int, tp_mesh: Any) -> tuple[tuple, tuple, tuple | None]:
+class StageIO(NamedTuple):
+    """Example (meta) tensors of one stage, as ``PipelineStage`` takes them to skip shape inference (None: not
+    given)."""
+
+    inputs: tuple
+    outputs: tuple
+    output_grads: tuple | None = None
+    input_grads: tuple | None = None
+
+
+def stage_io_examples(cfg: JobConfig, stage: int, tp_mesh: Any) -> StageIO:
     """:func:`stage_io` of the built-in job ``cfg``."""
     return stage_io(StageShapes.of(cfg), stage, tp_mesh)
 
 
-def stage_io(shapes: StageShapes, stage: int, tp_mesh: Any) -> tuple[tuple, tuple, tuple | None]:
-    """Example (meta) inputs, outputs and output grads of one stage: what ``PipelineStage`` needs to skip shape
-    inference. Between stages flows the hidden state as a local tensor (sequence-sharded with sequence parallel);
-    the last stage returns logits (a vocab-sharded DTensor with loss parallel)."""
+def stage_io(shapes: StageShapes, stage: int, tp_mesh: Any) -> StageIO:
+    """Example (meta) inputs, outputs and gradients of one stage: what ``PipelineStage`` needs to skip shape
+    inference. Between stages flows the hidden state as a local tensor (sequence-sharded with sequence parallel)
+    or, with ``shapes.mesh``, as a DTensor; the last stage returns logits (a vocab-sharded DTensor with loss
+    parallel)."""
     s, dtype = shapes, shapes.dtype
-    seq = s.seq_len // s.tp if s.tp > 1 and s.sequence_parallel else s.seq_len
+    if s.mesh is not None:
+        return _dtensor_stage_io(s, stage)
+    seq = s.seq_len // s.cp
+    seq = seq // s.tp if s.tp > 1 and s.sequence_parallel else seq
     hidden = torch.empty(s.micro_batch_size, seq, s.dim, dtype=dtype, device="meta", requires_grad=True)
     if stage == 0:
-        inputs: tuple = (torch.empty(s.micro_batch_size, s.seq_len, dtype=torch.long, device="meta"),)
+        inputs: tuple = (_tokens(s),)
     else:
         inputs = (hidden,)
     if stage < s.num_stages - 1 or not s.head:
-        return inputs, (hidden,), None
+        return StageIO(inputs, (hidden,))
     if s.tp > 1 and s.loss_parallel:
         from torch.distributed.tensor import DTensor, Shard
 
         local = torch.empty(s.micro_batch_size, s.seq_len, s.vocab_size // s.tp, dtype=dtype, device="meta")
         logits = DTensor.from_local(local, tp_mesh, [Shard(2)], run_check=False).requires_grad_(True)
         grad = DTensor.from_local(local, tp_mesh, [Shard(2)], run_check=False)
-        return inputs, (logits,), (grad,)
+        return StageIO(inputs, (logits,), (grad,), tuple(x.detach() for x in inputs))
     logits = torch.empty(
         s.micro_batch_size, s.seq_len, s.vocab_size, dtype=dtype, device="meta", requires_grad=True
     )
-    return inputs, (logits,), None
+    return StageIO(inputs, (logits,))
+
+
+def _tokens(s: StageShapes) -> torch.Tensor:
+    """The first stage's input: a micro batch of token ids; under context parallel this rank's sequence shard,
+    a narrow view of the whole rows as DTensor sharding (``Shard(1)``) leaves it, stride ``(seq_len, 1)``."""
+    tokens = torch.empty(s.micro_batch_size, s.seq_len, dtype=torch.long, device="meta")
+    return tokens if s.cp == 1 else tokens.tensor_split(s.cp, dim=1)[0]
+
+
+def _dtensor_stage_io(s: StageShapes, stage: int) -> StageIO:
+    """:func:`stage_io` when the hidden state between stages is a DTensor on ``s.mesh`` (torchtitan's TP): torch
+    2.13's static mode then needs the gradients' metadata too, each gradient a DTensor with its tensor's placements
+    (None where none flows: the token ids, the last stage's output)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    def tensor(shape: tuple[int, ...], placements: tuple | None) -> torch.Tensor:
+        if placements is None:
+            return torch.empty(shape, dtype=s.dtype, device="meta")
+        local, _ = compute_local_shape_and_global_offset(torch.Size(shape), s.mesh, placements)
+        return DTensor.from_local(
+            torch.empty(local, dtype=s.dtype, device="meta"),
+            s.mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
+
+    mb, seq = s.micro_batch_size, s.seq_len // s.cp
+    hidden = (mb, seq, s.dim)
+    if stage == 0:
+        inputs: tuple = (_tokens(s),)
+        input_grads: tuple = (None,)
+    else:
+        inputs = (tensor(hidden, s.hidden_placements).requires_grad_(True),)
+        input_grads = (tensor(hidden, s.hidden_placements),)
+    if stage < s.num_stages - 1:
+        outputs: tuple = (tensor(hidden, s.hidden_placements).requires_grad_(True),)
+        output_grads: tuple = (tensor(hidden, s.hidden_placements),)
+    else:
+        shape = (mb, seq, s.vocab_size) if s.head else hidden
+        outputs, output_grads = (tensor(shape, s.output_placements).requires_grad_(True),), (None,)
+    return StageIO(inputs, outputs, output_grads, input_grads)
 
 
 def tracked_stage(
@@ -159,11 +225,12 @@ def tracked_stage(
 ) -> Any:
     """This rank's stage ``stage`` of ``part`` as a tracked ``PipelineStage`` with static example shapes (``kw``:
     more of its keywords, e.g. torchtitan's ``get_mesh``)."""
-    inputs, outputs, output_grads = stage_io(shapes, stage, tp_mesh)
-    kwargs: dict[str, Any] = {"input_args": inputs, "output_args": outputs, **kw}
-    if output_grads is not None:
-        kwargs["output_grads"] = output_grads
-        kwargs["input_grads"] = tuple(x.detach() for x in inputs)
+    io = stage_io(shapes, stage, tp_mesh)
+    kwargs: dict[str, Any] = {"input_args": io.inputs, "output_args": io.outputs, **kw}
+    if io.output_grads is not None:
+        kwargs["output_grads"] = io.output_grads
+    if io.input_grads is not None:
+        kwargs["input_grads"] = io.input_grads
     return _stage_class()(part, stage, shapes.num_stages, device, group=group, **kwargs)
 
 
@@ -204,7 +271,13 @@ def _stage_class() -> type:
 
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             self._label(fwd_chunk_id)
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            if self._runtime_validate and self.is_last:  # torch validates only the outputs it sends
+                outputs = output if isinstance(output, tuple) else (output,)
+                self._validate_stage_tensors(
+                    f"Stage {self.stage_index} forward outputs", self._stage_meta.outputs, outputs
+                )
+            return output
 
         def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             self._label(bwd_chunk_id)
