@@ -24,8 +24,14 @@ real runtime reads):
 - **CUDA context and loaded kernels**, outside the allocator: the driver's context and the modules of the kernels
   used, loaded lazily (torch sets ``CUDA_MODULE_LOADING=LAZY``, pytorch/pytorch#86509: 287 MB after one kernel,
   667 MB eagerly; ~300-400 MB with lazy loading per pytorch/pytorch#107667 and #109888; 426 MiB after
-  ``mem_get_info`` on torch 2.10 cu130, unslothai/unsloth-zoo#1053). A training step loads cuBLAS, cuDNN, NCCL and
-  attention kernels as well: ``context_mib`` (default 500 MiB), a configured figure, not a derivation.
+  ``mem_get_info`` on torch 2.10 cu130, unslothai/unsloth-zoo#1053). ``context_mib`` defaults to the H200
+  measurement of this project (torch 2.11 cu130, CUDA 13.0, driver 580; ``../shared/gpu/h200_measured.json``):
+  after the first tensor the process held 545,259,520 B in nvidia-smi, 2 MiB of it the allocator's one segment,
+  so the context is 543,162,368 B = 518 MiB. The sources above do not show a difference between CUDA 12 and 13
+  that this could follow, so there is one default. After a whole training step the same H200 showed 840 MiB
+  outside the allocator in each of six jobs (nvidia-smi minus ``max_memory_reserved``): the modules the step
+  loads lazily (presumably cuBLAS, cuDNN and torch's own kernels) add 322 MiB that this default leaves out; set ``context_mib`` to
+  840 to count them.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ NCCL_LL128_BUFFSIZE = 120 * 640 * 8 * 8
 NCCL_CONNECTIONS_PER_CHANNEL = 2
 """Ring: a receive connection from the previous rank and a send connection to the next."""
 DEFAULT_NCCL_CHANNELS = 16
-DEFAULT_CONTEXT_MIB = 500.0
+DEFAULT_CONTEXT_MIB = 518.0
+"""543,162,368 B: the CUDA context measured on an H200 after the first tensor (see the module docstring)."""
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 NCCL_BUFFSIZE_ENV = "NCCL_BUFFSIZE"
 _CUBLAS_PAIR = re.compile(r":([0-9]+):([0-9]+)")
@@ -171,8 +178,8 @@ class CudaRuntime(BaseModel):
             },
             "cuda_context": {
                 "bytes": round(self.context_mib * MiB),
-                "source": "cuda.context_mib: a configured figure (CUDA context and lazily loaded kernels; "
-                "~300-500 MiB measured, see hyperdryrun.world.runtime)",
+                "source": "cuda.context_mib: the CUDA context (default: 518 MiB, measured on an H200 after the first "
+                "tensor; the kernels a step loads lazily add ~322 MiB more there, see hyperdryrun.world.runtime)",
             },
         }
 
