@@ -122,8 +122,9 @@ def gpu_preset_name() -> str | None:
     name = props.name.lower()
     family = next((f for f in ("a100", "h100", "h200", "b200") if f in name), None)
     candidates = [p for p in GPU_PRESETS.values() if family and p.name.startswith(family)]
-    fitting = [p for p in candidates if p.capacity_bytes >= props.total_memory]
-    return min(fitting, key=lambda p: p.capacity_bytes).name if fitting else None
+    # the presets carry torch's total_memory, which moves with the driver by ~0.1%: the nearest one is this card
+    nearest = min(candidates, key=lambda p: abs(p.capacity_bytes - props.total_memory), default=None)
+    return nearest.name if nearest else None
 
 
 def measure_cuda(cfg: Any) -> dict[str, int | None]:

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="hyperdryrun",
         description="Per-rank accelerator memory of one distributed training step, on a CPU-only machine.",
-        epilog="exit codes: 0 done, 1 the verdict failed (OOM, outside --tolerance), 2 bad input, 3 internal "
+        epilog="exit codes: 0 done, 1 the verdict failed (OOM or at risk, outside --tolerance), 2 bad input, 3 internal "
         "error, 130 SIGINT, 143 SIGTERM, 141 stdout closed by its reader",
     )
     parser.add_argument("--version", action="version", version=f"hyperdryrun {__version__}")

@@ -328,6 +328,10 @@ class JobConfig(_Strict):
     cuda: CudaRuntime = CudaRuntime()
     """A CUDA target's GPU, caching-allocator settings and runtime costs (defaults in hyperdryrun.world.runtime)."""
     device_memory_gib: float | None = Field(None, gt=0)
+    margin_gib: float | None = Field(None, ge=0)
+    """The verdict's margin in GiB: "at risk" within it under the capacity (hyperdryrun.report.verdict)."""
+    margin_pct: float | None = Field(None, ge=0, le=100)
+    """The verdict's margin in percent of the capacity; neither given: the model's measured device error."""
     output_dir: str = Field("hyperdryrun_out", min_length=1)
     live_set_limit: int = Field(50, gt=0)
 
@@ -337,6 +341,22 @@ class JobConfig(_Strict):
         if "\0" in v:
             raise ValueError(f"must be a path without NUL bytes, got {v!r}")
         return v
+
+    @property
+    def margin(self) -> Any:
+        """The capacity verdict's :class:`~hyperdryrun.report.verdict.Margin`."""
+        from hyperdryrun.report.verdict import Margin
+
+        return Margin(self.margin_gib, self.margin_pct)
+
+    @model_validator(mode="after")
+    def _one_margin(self) -> JobConfig:
+        if self.margin_gib is not None and self.margin_pct is not None:
+            raise ValueError(
+                f"margin_gib={self.margin_gib:g} and margin_pct={self.margin_pct:g}: give one margin "
+                "(--margin-gib or --margin-pct), not both"
+            )
+        return self
 
     @model_validator(mode="after")
     def _layout(self) -> JobConfig:

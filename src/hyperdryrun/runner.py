@@ -74,6 +74,12 @@ class RankOutcome:
         """Whether the rank's peak is over ``device_memory_gib`` (False when it failed or no capacity was given)."""
         return self.error is None and bool(self.report.get("summary", {}).get("oom"))
 
+    @property
+    def verdict_failed(self) -> bool:
+        """Whether the rank's capacity verdict is "OOM" or "at risk" (:mod:`hyperdryrun.report.verdict`)."""
+        s = self.report.get("summary", {}) if self.error is None else {}
+        return bool(s.get("oom") or s.get("at_risk"))
+
 
 @dataclass
 class _Computed:
@@ -124,7 +130,9 @@ def _simulate(cfg: JobConfig, capture_stacks: bool, execute: Execute | None, mod
             meta = {"mode": mode}
         report = error_report(err.stage, err.error, meta)
         return _Computed(rank, RankReport(rank, report), message, error_kind(err), _formatted(err))
-    return _Computed(rank, RankReport.from_trace(trace, cfg.device_memory_gib, cfg.live_set_limit))
+    return _Computed(
+        rank, RankReport.from_trace(trace, cfg.device_memory_gib, cfg.live_set_limit, cfg.margin)
+    )
 
 
 def _write(done: _Computed, output_dir: str, reporters: Sequence[str]) -> RankOutcome:

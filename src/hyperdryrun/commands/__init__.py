@@ -2,9 +2,10 @@
 
 Exit codes, the same for every command (a CI gate may read them):
 
-- 0 done (the job fits, or no capacity was asked; compare: within tolerance);
-- 1 the verdict asked for failed: OOM against ``--device-memory-gib``, compare outside ``--tolerance``, an
-  audit mismatch; nothing else;
+- 0 done (the job fits with the margin, or no capacity was asked; compare: within tolerance);
+- 1 the verdict asked for failed: OOM, or "at risk" (within the margin under the capacity, ``--margin-gib 0``
+  turns that off: :mod:`hyperdryrun.report.verdict`), compare outside ``--tolerance``, an audit mismatch;
+  nothing else;
 - 2 bad input: a flag, the job file, a value rule, an output directory that cannot be written;
 - 3 an internal error: one line (with the report path when one was written), ``--debug`` shows the traceback;
 - 130 interrupted by SIGINT (Ctrl-C), 143 stopped by SIGTERM: one line, nothing written after the signal;
@@ -70,7 +71,7 @@ def exit_code_of(outcomes: Sequence[Any], debug: bool = False) -> int:
 
     failed = [o for o in outcomes if o.error]
     if not failed:
-        return EXIT_VERDICT if any(o.oom for o in outcomes) else EXIT_OK
+        return EXIT_VERDICT if any(o.verdict_failed for o in outcomes) else EXIT_OK
     internal = [o for o in failed if o.error_kind == INTERNAL]
     first = (internal or failed)[0]
     more = f" (and {len(failed) - 1} more of {len(outcomes)} ranks failed)" if len(failed) > 1 else ""

@@ -17,6 +17,7 @@ from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
 from hyperdryrun.commands.job import _BOOL, FLAG_OF, RUN_FLAGS, _dest, _set
 from hyperdryrun.commands.preflight import check_output_dir, check_output_file
 from hyperdryrun.config import ConfigError, build_config, load_yaml, rank_from_env
+from hyperdryrun.report.verdict import DEVICE_ERROR_FRACTION, Margin
 from hyperdryrun.search.space import DEFAULT_TOP
 
 SEARCHED = {
@@ -25,7 +26,9 @@ SEARCHED = {
     "training.micro_batch_size", "training.num_micro_batches", "training.ac",
 }  # fmt: skip
 """Job fields the search sets: their flags take lists of values here."""
-NOT_FOR_FIT = {"world.rank", "world.local_rank", "device_memory_gib", "output_dir", "live_set_limit"}
+NOT_FOR_FIT = {
+    "world.rank", "world.local_rank", "device_memory_gib", "margin_gib", "margin_pct", "output_dir", "live_set_limit",
+}  # fmt: skip
 JOB_FLAGS = {f: v for f, v in RUN_FLAGS.items() if v[0] not in SEARCHED | NOT_FOR_FIT}
 """The job flags of ``run`` that describe what every candidate shares (model, dtypes, sequence, optimizer, ...)."""
 
@@ -69,8 +72,9 @@ def register(subparsers: Any) -> None:
         help="search the layouts that fit a device, ranked by estimated step time",
         description="Enumerate the parallel layouts of a job over --world-size ranks, prune the invalid ones and "
         "those whose sharded states alone exceed the device, dry-run the rest by rank class and print the layouts "
-        "that fit, fastest first (roofline estimate). Exit 0: some layout fits, 1: none fits, 2: bad input, 3: "
-        "internal error.",
+        "that fit, fastest first (roofline estimate); layouts whose peak is within the margin under the capacity "
+        "are 'at risk' and ranked after those that fit with margin. Exit 0: some layout fits with margin, 1: none "
+        "does (none fits, or all that fit are at risk), 2: bad input, 3: internal error.",
     )
     p.add_argument("--config", metavar="job.yaml", help="YAML job description (its model, training, values)")
     for flag, (path, typ, help_) in JOB_FLAGS.items():
@@ -89,6 +93,13 @@ def register(subparsers: Any) -> None:
     # --gpu is a job flag (cuda.gpu: the preset's kernels and allocator replay); fit also reads its capacity and
     # rates from it.
     device.add_argument("--device-memory-gib", type=float, help="capacity per device (default: the --gpu's)")
+    device.add_argument(
+        "--margin-gib",
+        type=float,
+        help="a peak within this many GiB under the capacity is 'at risk' (default: the model's measured error, "
+        f"{100 * DEVICE_ERROR_FRACTION:g}%% of the capacity)",
+    )
+    device.add_argument("--margin-pct", type=float, help="the margin in percent of the capacity instead")
     device.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (all ranks)")
     device.add_argument("--global-batch-seqs", type=int, help="sequences per optimizer step (all ranks)")
     for flag, help_ in (
@@ -259,6 +270,10 @@ def fit_job_from_args(args: argparse.Namespace) -> Any:
     base = _base_job(args)
     is_moe = build_config({"model": base["model"]}).model.is_moe
     capacity, gpu = _capacity(args)
+    try:
+        margin = Margin(args.margin_gib, args.margin_pct)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if args.top < 0:
         raise ConfigError(f"--top: must be >= 0 (got {args.top})")
     if args.jobs is not None and args.jobs < 1:
@@ -272,6 +287,8 @@ def fit_job_from_args(args: argparse.Namespace) -> Any:
         gpu=gpu,
         top=args.top,
         shortcut=not args.no_shortcut,
+        margin_bytes=margin.bytes_for(capacity),
+        margin_source=margin.source(),
     )
 
 
@@ -313,7 +330,7 @@ def run_fit(args: argparse.Namespace) -> int:
         except OSError as err:
             return fail(f"cannot write {err.filename or ''} ({err.strerror or err})", err, args.debug)
     print_outcome(outcome, quiet=args.quiet, written=[p for p in (args.json, args.csv) if p])
-    return EXIT_OK if outcome.ranked() else EXIT_VERDICT
+    return EXIT_OK if outcome.fits_with_margin() else EXIT_VERDICT
 
 
 class _progress:
@@ -427,6 +444,8 @@ def outcome_dict(outcome: Any) -> dict[str, Any]:
         "world_size": job.base["world"]["world_size"],
         "gpu": job.gpu,
         "capacity_bytes": job.capacity_bytes,
+        "margin_bytes": job.margin_bytes,
+        "margin_source": job.margin_source,
         "global_batch_seqs": job.global_batch_seqs,
         "seq_len": job.base["training"]["seq_len"],
         "top": job.top,
@@ -480,7 +499,9 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
     console.print(
         f"candidates: {c['enumerated']} enumerated · {c['invalid']} invalid · {c['pruned']} pruned · "
         f"{c['simulated']} simulated · {c['cached']} cached · {c['failed']} failed{skipped} · "
-        f"[bold]{c['fits']} fit[/], {c['oom']} do not"
+        f"[bold]{c['fits']} fit[/]"
+        + (f", [yellow]{c['at_risk']} at risk[/]" if c["at_risk"] else "")
+        + f", {c['oom']} do not"
     )
     ranked = outcome.ranked()
     bases = {r.basis for r in ranked}
@@ -492,8 +513,10 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
     }[basis]
     if not quiet:
         console.print(
-            f"fits = worst rank's peak within capacity, on {note}; peaks and headroom in GiB; "
-            "step time: roofline estimate"
+            f"fits = worst rank's peak within capacity, on {note}, more than the {job.margin_bytes / 2**30:.2f} "
+            "GiB margin under it; at risk = within the margin, ranked after; peaks and headroom in GiB; "
+            "step time: roofline estimate",
+            soft_wrap=True,
         )
     if ranked and not quiet:
         t = Table(show_edge=False, pad_edge=False, header_style="bold")
@@ -511,7 +534,8 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
             t.add_row(
                 str(i), lay.label(), f"{lay.micro_batch_size} x {lay.num_micro_batches}", lay.ac,
                 _seconds(r.time.total), f"{r.time.tokens_per_s_per_gpu:,.0f}", _gib(r.peak("peak_bytes")),
-                _gib(r.peak("peak_reserved_bytes")), _gib(r.peak("peak_device_bytes")), _gib(head),
+                _gib(r.peak("peak_reserved_bytes")), _gib(r.peak("peak_device_bytes")),
+                _gib(head) + (" [yellow]at risk[/]" if r.status == "at_risk" else ""),
                 str(w.rank_class.representative), str(len(r.classes)), "+".join(methods) + cached,
             )  # fmt: skip
         console.print(t)
@@ -521,6 +545,8 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
                       f"ac {r.candidate.layout.ac}, est. step {_seconds(r.time.total)}")  # fmt: skip
     else:
         console.print("[red]no layout fits[/]")
+    if ranked and not outcome.fits_with_margin():
+        console.print("[yellow]no layout fits with margin[/]: every one that fits is at risk (exit 1)")
     failed = [r for r in outcome.results if r.status == "failed"]
     if failed and not quiet:
         reasons: dict[str, int] = {}

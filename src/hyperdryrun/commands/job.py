@@ -18,6 +18,7 @@ from hyperdryrun.commands.preflight import WORLD_SIZE, check_job_environment, ch
 from hyperdryrun.config import TORCHRUN_VARS, ConfigError, JobConfig, build_config, load_yaml, rank_from_env
 from hyperdryrun.models.hf import HF_PREFIX, shipped_configs
 from hyperdryrun.models.registry import presets_help
+from hyperdryrun.report.verdict import DEVICE_ERROR_FRACTION
 
 
 def _int_list(text: str) -> list[int]:
@@ -169,7 +170,19 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--device-memory-gib": (
         "device_memory_gib",
         float,
-        "capacity per device: adds headroom and an OOM verdict",
+        "capacity per device: adds headroom and a verdict (fits, at risk, OOM)",
+    ),
+    "--margin-gib": (
+        "margin_gib",
+        float,
+        "verdict margin in GiB: a device peak within it under the capacity is 'at risk' and exits 1 like OOM "
+        f"(default: the model's measured error, {100 * DEVICE_ERROR_FRACTION:g}%% of the capacity; 0: judge the "
+        "figure as it is)",
+    ),
+    "--margin-pct": (
+        "margin_pct",
+        float,
+        f"verdict margin in percent of the capacity, instead of --margin-gib (default: {100 * DEVICE_ERROR_FRACTION:g})",
     ),
     "--output-dir": ("output_dir", str, "where rank_<r>/ reports go"),
     "--live-set-limit": ("live_set_limit", int, "blocks of the peak live set written in full"),

@@ -109,4 +109,4 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print_summary(out.report, out.paths)
-    return EXIT_VERDICT if out.oom else EXIT_OK
+    return EXIT_VERDICT if out.verdict_failed else EXIT_OK

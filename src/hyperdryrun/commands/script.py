@@ -33,6 +33,8 @@ SCRIPT_FLAGS = (
     "--gpu",
     "--alloc-conf",
     "--device-memory-gib",
+    "--margin-gib",
+    "--margin-pct",
     "--output-dir",
     "--live-set-limit",
 )

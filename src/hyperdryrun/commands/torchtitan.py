@@ -13,6 +13,7 @@ from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, fail, one
 from hyperdryrun.commands.measure import CPU_ONLY_NOTE
 from hyperdryrun.commands.preflight import check_cuda_environment, check_rank_outputs
 from hyperdryrun.config import ConfigError, JobConfig, rank_from_env
+from hyperdryrun.report.verdict import Margin
 
 _DEFAULTS = JobConfig.model_fields
 
@@ -70,7 +71,13 @@ def register(subparsers: Any) -> None:
         default=_DEFAULTS["target_device"].default,
         help="the device whose memory is estimated (cuda)",
     )
-    p.add_argument("--device-memory-gib", type=float, help="capacity: adds headroom and an OOM verdict")
+    p.add_argument(
+        "--device-memory-gib", type=float, help="capacity: adds headroom and a verdict (fits, at risk, OOM)"
+    )
+    p.add_argument(
+        "--margin-gib", type=float, help="verdict margin in GiB; 'at risk' exits 1 (default: 3%% of it)"
+    )
+    p.add_argument("--margin-pct", type=float, help="verdict margin in percent of the capacity (default: 3)")
     p.add_argument("--output-dir", default=_DEFAULTS["output_dir"].default, help="where rank_<r>/ goes")
     p.add_argument(
         "--in-process", action="store_true", help="run in this process, not a child (no crash guard)"
@@ -94,6 +101,10 @@ def _identity(args: argparse.Namespace) -> dict[str, int | None]:
         raise ConfigError(f"--n-layers: must be >= 1 (got {args.n_layers})")
     if args.device_memory_gib is not None and not args.device_memory_gib > 0:
         raise ConfigError(f"--device-memory-gib: must be > 0 (got {args.device_memory_gib})")
+    try:
+        Margin(args.margin_gib, args.margin_pct)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return {"world_size": world_size, "rank": rank, "local_rank": local_rank}
 
 
@@ -160,7 +171,12 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
             "error": f"{message} (report: {path})",
             "traceback": tb,
         }
-    report = build_report(trace, options["device_memory_gib"], _DEFAULTS["live_set_limit"].default)
+    report = build_report(
+        trace,
+        options["device_memory_gib"],
+        _DEFAULTS["live_set_limit"].default,
+        margin=Margin(*options.get("margin", (None, None))),
+    )
     try:
         paths = write_reports(report, blocks_csv(trace), options["output_dir"], rank)
     except OSError as err:
@@ -201,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         "measure": args.measure,
         "target_device": args.target_device,
         "device_memory_gib": args.device_memory_gib,
+        "margin": (args.margin_gib, args.margin_pct),
         "output_dir": args.output_dir,
         "capture_stacks": not args.no_stacks,
     }
@@ -227,4 +244,4 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print_summary(outcome["report"], outcome["paths"])
-    return EXIT_VERDICT if s.get("oom") else EXIT_OK
+    return EXIT_VERDICT if s.get("oom") or s.get("at_risk") else EXIT_OK

@@ -21,6 +21,7 @@ from hyperdryrun.report.schema import (
     SEGMENT_CSV_COLUMNS,
     human_bytes,
 )
+from hyperdryrun.report.verdict import AT_RISK, OOM, Margin, verdict_fields
 from hyperdryrun.trace.blocks import (
     CATEGORY_ORDER,
     PERSISTENT_END,
@@ -157,38 +158,61 @@ def device_summary(trace: Any, dm: DeviceMemory) -> dict[str, Any]:
     }
 
 
-def _device_verdict(trace: Any, dm: DeviceMemory, capacity: int, gib_text: str) -> dict[str, Any]:
+def _margin_text(v: dict[str, Any]) -> str:
+    return f"margin {human_bytes(v['margin_bytes'])}"
+
+
+def _device_verdict(
+    trace: Any, dm: DeviceMemory, capacity: int, gib_text: str, margin: Margin
+) -> dict[str, Any]:
     headroom = capacity - dm.peak_device
     figures = (
         f"allocated {human_bytes(dm.peak_allocated)}, reserved {human_bytes(dm.peak_reserved)}, "
         f"device {human_bytes(dm.peak_device)}"
     )
-    if dm.oom is not None:
+    v = verdict_fields(dm.peak_device, capacity, margin, oom=dm.oom is not None)
+    if v["fit"] == OOM:
         o = dm.oom
-        op = trace.task_op[o.task] if 0 <= o.task < len(trace.task_op) else "?"
         verdict = (
             f"OOM: the device peak {human_bytes(dm.peak_device)} exceeds {gib_text} GiB by "
-            f"{human_bytes(-headroom)}, {dm.tipping_line()} tips it ({figures}); the caching allocator cannot get "
-            f"{human_bytes(o.alloc_size)} at task {o.task} ({op}) with {human_bytes(o.reserved)} reserved"
+            f"{human_bytes(-headroom)}, {dm.tipping_line()} tips it ({figures})"
         )
+        if o is not None:
+            op = trace.task_op[o.task] if 0 <= o.task < len(trace.task_op) else "?"
+            verdict += (
+                f"; the caching allocator cannot get {human_bytes(o.alloc_size)} at task {o.task} ({op}) with "
+                f"{human_bytes(o.reserved)} reserved"
+            )
+        if -headroom <= v["margin_bytes"]:
+            verdict += f" (within the model's error, {_margin_text(v)}: the real step may still fit)"
     else:
-        verdict = f"fits: device peak {human_bytes(dm.peak_device)} of {gib_text} GiB, {human_bytes(headroom)} headroom ({figures})"
+        verdict = (
+            f"{v['fit']}: device peak {human_bytes(dm.peak_device)} of {gib_text} GiB, "
+            f"{human_bytes(headroom)} headroom, {_margin_text(v)} ({figures})"
+        )
+        if v["fit"] == AT_RISK:
+            verdict += "; within the model's error of the capacity: the real step may not fit"
         if dm.replay.alloc_retries:
             verdict += f"; the allocator had to release its cache {dm.replay.alloc_retries} time(s) to fit"
     return {
         "headroom_bytes": headroom,
         "headroom_gib": gib(headroom),
-        "oom": dm.oom is not None,
+        **v,
         "verdict": verdict,
         "verdict_line": dm.tipping_line(),
     }
 
 
 def summarize(
-    trace: Any, device_memory_gib: float | None = None, device: DeviceMemory | None = None
+    trace: Any,
+    device_memory_gib: float | None = None,
+    device: DeviceMemory | None = None,
+    margin: Margin | None = None,
 ) -> dict[str, Any]:
     """Peak and what it consists of, bytes after the step, the device figures of a CUDA target (``device``: its
-    allocator stage) and the capacity verdict (on device bytes where the allocator stage ran)."""
+    allocator stage) and the capacity verdict (on device bytes where the allocator stage ran; ``margin``: how far
+    under the capacity "fits" starts, :mod:`hyperdryrun.report.verdict`)."""
+    margin = margin or Margin()
     blocks = trace.blocks
     peak_task = trace.peak_task
     at_peak = alive_at(blocks, peak_task) if peak_task >= 0 else []
@@ -219,7 +243,7 @@ def summarize(
             gib_value = device_memory_gib if device_memory_gib is not None else device.capacity / GIB
             s["capacity_bytes"] = device.capacity
             s["capacity_gib"] = gib_value
-            s.update(_device_verdict(trace, device, device.capacity, f"{gib_value:g}"))
+            s.update(_device_verdict(trace, device, device.capacity, f"{gib_value:g}", margin))
     elif device_memory_gib is not None:
         capacity = int(round(device_memory_gib * GIB))
         headroom = capacity - trace.peak
@@ -227,12 +251,13 @@ def summarize(
         s["capacity_gib"] = device_memory_gib
         s["headroom_bytes"] = headroom
         s["headroom_gib"] = gib(headroom)
-        s["oom"] = headroom < 0
+        v = verdict_fields(trace.peak, capacity, margin)
+        s.update(v)
         s["verdict"] = (
             f"OOM: peak {human_bytes(trace.peak)} exceeds {device_memory_gib:g} GiB by {human_bytes(-headroom)}"
-            if headroom < 0
-            else f"fits: peak {human_bytes(trace.peak)} of {device_memory_gib:g} GiB, "
-            f"{human_bytes(headroom)} headroom (allocated bytes; see limitations)"
+            if v["fit"] == OOM
+            else f"{v['fit']}: peak {human_bytes(trace.peak)} of {device_memory_gib:g} GiB, "
+            f"{human_bytes(headroom)} headroom, {_margin_text(v)} (allocated bytes; see limitations)"
         )
     return s
 
@@ -334,9 +359,11 @@ def build_report(
     device_memory_gib: float | None = None,
     live_set_limit: int = 50,
     device: DeviceMemory | None = None,
+    margin: Margin | None = None,
 ) -> dict[str, Any]:
     """The JSON report of one rank (see :mod:`hyperdryrun.report.schema`); ``device``: the allocator stage's result
-    when already computed (:func:`device_memory_of`, also what :func:`segments_csv` writes)."""
+    when already computed (:func:`device_memory_of`, also what :func:`segments_csv` writes); ``margin``: the
+    verdict's (:mod:`hyperdryrun.report.verdict`; default: the model's measured error)."""
     at_peak = alive_at(trace.blocks, trace.peak_task) if trace.peak_task >= 0 else []
     if device is None:
         device = device_memory_of(trace, device_memory_gib)
@@ -344,7 +371,7 @@ def build_report(
         "schema_version": SCHEMA_VERSION,
         "status": "ok",
         "metadata": trace.metadata,
-        "summary": summarize(trace, device_memory_gib, device),
+        "summary": summarize(trace, device_memory_gib, device, margin),
         "phases": phases(trace),
         "modules": modules(trace, at_peak),
         "peak_live_set": peak_live_set(trace, live_set_limit),

@@ -72,14 +72,21 @@ def headline(report: dict[str, Any]) -> list[str]:
     lines.extend(device_lines(s))
     if "capacity_bytes" in s:
         judged = " on the device" if "peak_device_bytes" in s else ""
+        margin = f"margin {_g(s['margin_bytes'])}" if "margin_bytes" in s else ""
         if s["oom"]:
             tips = f" ({s['verdict_line']} tips it)" if s.get("verdict_line") else ""
             lines.append(
                 f"[bold red]OOM[/]: over {s['capacity_gib']:g} GiB{judged} by {_g(-s['headroom_bytes'])}{tips}"
             )
+        elif s.get("at_risk"):
+            lines.append(
+                f"[bold yellow]at risk[/] in {s['capacity_gib']:g} GiB{judged}: {_g(s['headroom_bytes'])} "
+                f"headroom, within the {margin} of the model's error (exit 1; --margin-gib 0 accepts it)"
+            )
         else:
             lines.append(
                 f"[bold green]fits[/] in {s['capacity_gib']:g} GiB{judged}: {_g(s['headroom_bytes'])} headroom"
+                + (f" ({margin})" if margin else "")
             )
     lines.append(f"after the step: {_g(s['current_bytes'])}")
     return lines
@@ -188,7 +195,15 @@ def print_ranks(
             continue
         s = report["summary"]
         b = s["breakdown_at_peak"]
-        verdict = "" if "oom" not in s else ("[red]OOM[/]" if s["oom"] else "[green]fits[/]")
+        verdict = (
+            ""
+            if "oom" not in s
+            else "[red]OOM[/]"
+            if s["oom"]
+            else "[yellow]at risk[/]"
+            if s.get("at_risk")
+            else "[green]fits[/]"
+        )
         t.add_row(str(rank), _g(s["peak_bytes"]), s["peak_phase"], *[_g(b[c]) for c in cats], verdict)
         if best is None or s["peak_bytes"] > best[1]:
             best = (rank, s["peak_bytes"])

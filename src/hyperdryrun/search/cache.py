@@ -22,7 +22,7 @@ from hyperdryrun.version import __version__
 if TYPE_CHECKING:
     from hyperdryrun.config import JobConfig
 
-_IRRELEVANT = ("device_memory_gib", "output_dir", "live_set_limit")
+_IRRELEVANT = ("device_memory_gib", "margin_gib", "margin_pct", "output_dir", "live_set_limit")
 FORMAT = 2
 """What an entry holds; part of every key, raised when that changes (2: extrapolated figures carry no allocator
 peaks), so that entries of an older format are never read."""

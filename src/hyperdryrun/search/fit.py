@@ -15,6 +15,9 @@
 
 A layout fits when its worst rank's peak is within the capacity, the peak being the allocator model's device figure
 when the reports carry it, else its reserved figure, else the allocated bytes (:func:`verdict_figure` says which).
+It fits *with margin* when that peak is more than ``margin_bytes`` under the capacity; within the margin it is
+"at risk" (:mod:`hyperdryrun.report.verdict`): ranked after every layout that fits with margin, and not counted
+towards ``top``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hyperdryrun.config import ConfigError
+from hyperdryrun.report import verdict
+from hyperdryrun.report.verdict import verdict_word
 from hyperdryrun.runner import BAD_INPUT
 from hyperdryrun.search.bounds import StateBound, worst_state_bound
 from hyperdryrun.search.cache import ResultCache, job_key, versions
@@ -35,8 +40,12 @@ from hyperdryrun.search.extrapolate import EXTRAPOLATED, StepFigures
 from hyperdryrun.search.roofline import Rates, StepTime, step_time
 from hyperdryrun.search.space import DEFAULT_TOP, Candidate, SearchSpace, candidates
 
-FITS, OOM, INVALID, PRUNED, FAILED, SKIPPED = "fits", "oom", "invalid", "pruned", "failed", "skipped"
-STATUSES = (FITS, OOM, INVALID, PRUNED, FAILED, SKIPPED)
+FITS, AT_RISK, OOM, INVALID, PRUNED, FAILED, SKIPPED = (
+    "fits", "at_risk", "oom", "invalid", "pruned", "failed", "skipped",
+)  # fmt: skip
+STATUSES = (FITS, AT_RISK, OOM, INVALID, PRUNED, FAILED, SKIPPED)
+RANKED = (FITS, AT_RISK)
+"""The statuses of the layouts a search ranks, in that order."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +60,13 @@ class FitJob:
     rates: Rates | None = None
     gpu: str | None = None
     top: int = DEFAULT_TOP
-    """Stop once this many fitting layouts, the fastest, are known (0: dry-run every candidate that survives)."""
+    """Stop once this many layouts that fit with margin, the fastest, are known (0: dry-run every candidate that
+    survives)."""
     shortcut: bool = True
+    margin_bytes: int = 0
+    """A peak within this many bytes under the capacity is "at risk" (:mod:`hyperdryrun.report.verdict`)."""
+    margin_source: str = ""
+    """Where ``margin_bytes`` comes from (:meth:`hyperdryrun.report.verdict.Margin.source`)."""
 
 
 @dataclass
@@ -160,7 +174,7 @@ class FitOutcome:
     def counts(self) -> dict[str, int]:
         out = {"enumerated": len(self.results)}
         out.update({s: sum(r.status == s for r in self.results) for s in STATUSES})
-        ran = [r for r in self.results if r.classes and r.status in (FITS, OOM, FAILED)]
+        ran = [r for r in self.results if r.classes and r.status in (FITS, AT_RISK, OOM, FAILED)]
         out["simulated"] = sum(not r.cached for r in ran)
         out["cached"] = sum(r.cached for r in ran)
         confirmed = sum(c.confirmed for r in ran for c in r.classes)
@@ -170,9 +184,18 @@ class FitOutcome:
         return out
 
     def ranked(self) -> list[CandidateResult]:
-        """The layouts that fit, fastest first (at most ``top`` when it is set)."""
-        fits = sorted((r for r in self.results if r.status == FITS), key=_order)
-        return fits[: self.job.top] if self.job.top else fits
+        """The layouts that fit with margin, fastest first, then those at risk, fastest first (at most ``top`` in
+        all when it is set)."""
+        out = [
+            r
+            for status in RANKED
+            for r in sorted((r for r in self.results if r.status == status), key=_order)
+        ]
+        return out[: self.job.top] if self.job.top else out
+
+    def fits_with_margin(self) -> list[CandidateResult]:
+        """The ranked layouts that fit with margin (what exit code 0 needs)."""
+        return [r for r in self.ranked() if r.status == FITS]
 
 
 def _order(r: CandidateResult) -> tuple[float, int]:
@@ -232,7 +255,7 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
                     c.figures, c.cached = StepFigures.from_dict(hit), True
                     continue
                 yield SimTask(c.key, _rank_job(r.candidate, c.rank_class), job.shortcut, _dir(cache))
-            _settle(r, job.capacity_bytes)
+            _settle(r, job.capacity_bytes, job.margin_bytes)
             if on_progress:
                 on_progress(outcome)
 
@@ -246,7 +269,7 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
                     continue
                 by_key[key] = (r, c)
                 yield SimTask(key, _rank_job(r.candidate, c.rank_class), False, _dir(cache))
-            _settle(r, job.capacity_bytes)
+            _settle(r, job.capacity_bytes, job.margin_bytes)
             if on_progress:
                 on_progress(outcome)
 
@@ -260,13 +283,13 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
                         f"{r.candidate.layout.label()}, rank {c.rank_class.representative}: {res.error}"
                     )
                 _take(res, c, cache)
-                _settle(r, job.capacity_bytes)
+                _settle(r, job.capacity_bytes, job.margin_bytes)
                 if on_progress:
                     on_progress(outcome)
 
     while True:
         run(tasks())
-        todo = _to_confirm(survivors, job.top)
+        todo = [r for r in outcome.ranked() if r.unconfirmed]
         if not todo:
             break
         run(confirmations(todo))
@@ -317,27 +340,12 @@ def _confirm(c: ClassResult, full: StepFigures, cached: bool) -> None:
     c.figures, c.confirmed, c.cached = full, True, c.cached and cached
 
 
-def _to_confirm(ordered: list[CandidateResult], top: int) -> list[CandidateResult]:
-    """The layouts that fit on extrapolated figures and would enter the table (among the ``top`` fastest that fit,
-    every one when ``top`` is 0): their device figure is still to be had."""
-    out, fits = [], 0
-    for r in ordered:
-        if r.status != FITS:
-            continue
-        fits += 1
-        if r.unconfirmed:
-            out.append(r)
-        if top and fits >= top:
-            break
-    return out
-
-
-def _settle(r: CandidateResult, capacity: int) -> None:
+def _settle(r: CandidateResult, capacity: int, margin: int) -> None:
     """Give ``r`` its status once every class has an answer, or once one class is over the capacity (the classes
     not run then stay without figures)."""
     over = r.over(capacity)
     if over is not None and not any(c.error for c in r.classes):
-        _verdict(r, r.worst or over, capacity)
+        _verdict(r, r.worst or over, capacity, margin)
         return
     if not r.done:
         return
@@ -348,22 +356,25 @@ def _settle(r: CandidateResult, capacity: int) -> None:
         return
     worst = r.worst
     assert worst is not None
-    _verdict(r, worst, capacity)
+    _verdict(r, worst, capacity, margin)
 
 
-def _verdict(r: CandidateResult, worst: ClassResult, capacity: int) -> None:
+def _verdict(r: CandidateResult, worst: ClassResult, capacity: int, margin: int) -> None:
     assert worst.figures is not None
     basis = r.basis
     peak = verdict_bytes(worst.figures, basis)
-    r.status = FITS if peak <= capacity else OOM
+    word = verdict_word(peak, capacity, margin)
+    r.status = {verdict.FITS: FITS, verdict.AT_RISK: AT_RISK, verdict.OOM: OOM}[word]
     r.reason = (
         f"rank {worst.rank_class.representative}: {basis} peak "
         f"{peak / 2**30:.2f} GiB {'<=' if peak <= capacity else '>'} {capacity / 2**30:.2f} GiB"
     )
+    if r.status == AT_RISK:
+        r.reason += f", within the {margin / 2**30:.2f} GiB margin"
 
 
 def _enough(ordered: list[CandidateResult], top: int) -> bool:
-    """Whether the ``top`` fastest fitting layouts are known: that many fit among the finished fastest ones."""
+    """Whether the ``top`` fastest layouts that fit with margin are known: that many among the finished fastest."""
     if not top:
         return False
     fits = 0

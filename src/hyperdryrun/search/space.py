@@ -218,5 +218,6 @@ def base_job(cfg: JobConfig) -> dict[str, Any]:
     """The parts of ``cfg`` a search keeps for every candidate (its parallel degrees and batch are searched)."""
     data = cfg.model_dump()
     data["world"] = {"world_size": cfg.world.world_size, "rank": 0, "local_rank": None}
-    data.pop("device_memory_gib", None)
+    for verdict_only in ("device_memory_gib", "margin_gib", "margin_pct"):
+        data.pop(verdict_only, None)
     return data

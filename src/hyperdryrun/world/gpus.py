@@ -6,12 +6,14 @@ capability *and* the torch build's cuDNN, so a :class:`hyperdryrun.world.cuda_ta
 says it: ``hyperdryrun.world.sdpa.sdpa_priority(CudaTarget(gpu_preset("a100-80gb")))`` is flash first, cuDNN first
 on sm90 and sm100 with the pinned wheel's cuDNN 9.20.
 
-Memory: NVIDIA and AMD write "GB", but HBM is built in stacks of 2**30-multiples (A100 80GB: five 16 GiB stacks) and
-the vendors' figures are those binary sizes, so ``capacity_bytes`` is the figure in GiB. It is an upper bound on what
-torch can allocate: the driver keeps some (``nvidia-smi`` shows 81559 MiB on an H100 80GB, 81920 MiB = 80 GiB on an
-A100 80GB, 40960 MiB = 40 GiB on an A100 40GB: modal-labs/modal-client#2797), ``cudaDeviceProp.totalGlobalMem``
-(= ``torch.cuda.get_device_properties().total_memory``) is lower still (A100-SXM4-40GB: 42,298,834,944 B =
-40339 MiB, deviceQuery in bottlerocket-os/bottlerocket#3873), and the CUDA context takes a few hundred MiB more.
+Memory: ``capacity_bytes`` is what torch reports as ``torch.cuda.get_device_properties().total_memory`` on the
+card (``cudaDeviceProp.totalGlobalMem``, the "total capacity" of torch's out-of-memory message): the memory a
+process can have, its CUDA context included. It is less than the vendor's figure (``marketed_memory``, kept as a
+label only) and than nvidia-smi's total, by what the driver reserves: on the H200 measured for this project
+(torch 2.11 cu130, driver 580) 143,155.94 MiB against nvidia-smi's 143,771 MiB. The reserve depends on the driver
+a little (H100 80GB: 79.10-79.11 GiB in torch's out-of-memory messages in 2025 threads, 79.18-79.21 GiB from deviceQuery
+on drivers 12.4-13.0: about 0.1%), far less than the verdict's margin (:mod:`hyperdryrun.report.verdict`). Each
+preset's ``capacity_source`` says where its figure comes from, and which are estimates.
 """
 
 from __future__ import annotations
@@ -57,9 +59,11 @@ class GpuPreset:
     name: str
     product: str
     marketed_memory: str
-    """The vendor's figure, as the vendor writes it."""
+    """The vendor's figure, as the vendor writes it: a label, not a capacity."""
     capacity_bytes: int
-    """The marketed figure in GiB (see the module docstring): an upper bound on what torch can allocate."""
+    """What torch reports as ``total_memory`` on this card (see the module docstring)."""
+    capacity_source: str
+    """Where ``capacity_bytes`` comes from; it starts with "estimate" where no source prints it."""
     arch: str
     """``sm<major><minor>`` for NVIDIA, the ``gcnArchName`` for AMD."""
     compute_capability: tuple[int, int] | None
@@ -73,12 +77,15 @@ class GpuPreset:
     """Why a dry run cannot target this GPU yet (empty when it can)."""
 
 
-def _nvidia(name: str, product: str, marketed: str, gib: int, cc: tuple[int, int]) -> GpuPreset:
+def _nvidia(
+    name: str, product: str, marketed: str, total: int, source: str, cc: tuple[int, int]
+) -> GpuPreset:
     return GpuPreset(
         name=name,
         product=product,
         marketed_memory=marketed,
-        capacity_bytes=gib * GiB,
+        capacity_bytes=total,
+        capacity_source=source,
         arch=f"sm{cc[0]}{cc[1]}",
         compute_capability=cc,
         blas_workspace_bytes=cublas_workspace_bytes(cc),
@@ -90,26 +97,78 @@ GPU_PRESETS: dict[str, GpuPreset] = {
     p.name: p
     for p in [
         # NVIDIA A100 datasheet: 40GB HBM2 / 80GB HBM2e; compute capability 8.0 (CUDA C Programming Guide).
-        _nvidia("a100-40gb", "NVIDIA A100 40GB (SXM4 or PCIe)", "40 GB HBM2", 40, (8, 0)),
-        _nvidia("a100-80gb", "NVIDIA A100 80GB (SXM4 or PCIe)", "80 GB HBM2e", 80, (8, 0)),
-        # NVIDIA H100 datasheet: H100 SXM 80GB HBM3 (five 16 GiB stacks); compute capability 9.0.
-        _nvidia("h100-80gb", "NVIDIA H100 80GB HBM3 (SXM5)", "80 GB HBM3", 80, (9, 0)),
-        # Six 16 GiB HBM3 stacks: the Hopper GPU of a GH200 96GB (an ARM Grace host) and the H20 (nvidia-smi shows
-        # 97871 MiB on an H20: deepseek-ai/DeepEP#17); compute capability 9.0.
-        _nvidia("h100-96gb", "NVIDIA H100 96GB HBM3 (GH200 96GB; H20)", "96 GB HBM3", 96, (9, 0)),
+        _nvidia(
+            "a100-40gb",
+            "NVIDIA A100 40GB (SXM4 or PCIe)",
+            "40 GB HBM2",
+            42_298_834_944,
+            "deviceQuery totalGlobalMem on an A100-SXM4-40GB, 42,298,834,944 B = 39.39 GiB "
+            "(https://github.com/bottlerocket-os/bottlerocket/issues/3873); torch's OOM messages print the same "
+            "39.39 GiB",
+            (8, 0),
+        ),
+        _nvidia(
+            "a100-80gb",
+            "NVIDIA A100 80GB (SXM4 or PCIe)",
+            "80 GB HBM2e",
+            81_050 * MiB,
+            "estimate: 79.15 GiB as torch 2.x OOM messages print it in public logs (no thread found to cite; "
+            "older drivers print 79.25 GiB, https://github.com/levihsu/OOTDiffusion/issues/235), taken as the "
+            "nearest MiB, 81,050 MiB",
+            (8, 0),
+        ),
+        # NVIDIA H100 datasheet: H100 SXM 80GB HBM3; compute capability 9.0.
+        _nvidia(
+            "h100-80gb",
+            "NVIDIA H100 80GB HBM3 (SXM5)",
+            "80 GB HBM3",
+            81_009 * MiB,
+            "torch's OOM message on an H100 80GB HBM3, 'GPU 0 has a total capacity of 79.11 GiB' "
+            "(https://github.com/vllm-project/vllm/issues/27508; vLLM logs 79.10 GiB in "
+            "https://github.com/huggingface/trl/issues/2688), as the nearest MiB, 81,009 MiB (two decimals of "
+            "GiB fix it to +-5 MiB)",
+            (9, 0),
+        ),
+        # Six 16 GiB HBM3 stacks: the Hopper GPU of a GH200 96GB (an ARM Grace host) and the H20; cc 9.0.
+        _nvidia(
+            "h100-96gb",
+            "NVIDIA H100 96GB HBM3 (GH200 96GB; H20)",
+            "96 GB HBM3",
+            97_321 * MiB,
+            "estimate: no source prints torch's total_memory for these cards; nvidia-smi's 97,871 MiB on an H20 "
+            "(https://github.com/deepseek-ai/DeepEP/issues/17) less the 550 MiB the driver keeps from an H100 80GB "
+            "(nvidia-smi 81,559 MiB, https://github.com/modal-labs/modal-client/pull/2797, against torch's "
+            "81,009 MiB)",
+            (9, 0),
+        ),
         # NVIDIA H200 datasheet: 141GB HBM3e; the same GH100 die as H100, compute capability 9.0.
-        _nvidia("h200", "NVIDIA H200 141GB HBM3e (SXM)", "141 GB HBM3e", 141, (9, 0)),
+        _nvidia(
+            "h200",
+            "NVIDIA H200 141GB HBM3e (SXM)",
+            "141 GB HBM3e",
+            150_109_880_320,
+            "measured for this project: torch 2.11.0+cu130 on an H200 (driver 580.159.04) reports total_memory = "
+            "150,109,880,320 B = 139.80 GiB (nvidia-smi: 143,771 MiB)",
+            (9, 0),
+        ),
         # NVIDIA DGX/HGX B200 datasheets: 1,440 GB for 8 GPUs, 180 GB each (192 GB physical, as first announced:
-        # huggingface/huggingface.js#1539); nvidia-smi shows 183359 MiB (NVIDIA/TensorRT-LLM#10278), totalGlobalMem
-        # 178.35 GiB (pytorch/ao#4002); compute capability 10.0.
-        _nvidia("b200", "NVIDIA B200 180GB HBM3e (HGX/DGX B200)", "180 GB HBM3e", 180, (10, 0)),
-        # AMD Instinct MI300X datasheet: 192 GB HBM3 (eight 24 GiB stacks); rocminfo shows a 201,310,208 KB global
-        # pool on a gfx942 MI300 (ROCm/aiter#3807), 16 MiB under 192 GiB.
+        # huggingface/huggingface.js#1539); nvidia-smi shows 183359 MiB (NVIDIA/TensorRT-LLM#10278); cc 10.0.
+        _nvidia(
+            "b200",
+            "NVIDIA B200 180GB HBM3e (HGX/DGX B200)",
+            "180 GB HBM3e",
+            182_630 * MiB,
+            "totalGlobalMem 178.35 GiB on a B200 (https://github.com/pytorch/ao/issues/4002), as the nearest "
+            "MiB, 182,630 MiB",
+            (10, 0),
+        ),
         GpuPreset(
             name="mi300x",
             product="AMD Instinct MI300X",
             marketed_memory="192 GB HBM3",
-            capacity_bytes=192 * GiB,
+            capacity_bytes=201_310_208 * 1024,
+            capacity_source="estimate: rocminfo's GPU global pool on a gfx942 MI300, 201,310,208 KB = 191.98 GiB "
+            "(https://github.com/ROCm/aiter/issues/3807), taken as what HIP reports as totalGlobalMem",
             arch="gfx942",
             compute_capability=None,
             blas_workspace_bytes=HIPBLAS_WORKSPACE_GFX94,

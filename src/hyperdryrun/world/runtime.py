@@ -24,8 +24,14 @@ real runtime reads):
 - **CUDA context and loaded kernels**, outside the allocator: the driver's context and the modules of the kernels
   used, loaded lazily (torch sets ``CUDA_MODULE_LOADING=LAZY``, pytorch/pytorch#86509: 287 MB after one kernel,
   667 MB eagerly; ~300-400 MB with lazy loading per pytorch/pytorch#107667 and #109888; 426 MiB after
-  ``mem_get_info`` on torch 2.10 cu130, unslothai/unsloth-zoo#1053). A training step loads cuBLAS, cuDNN, NCCL and
-  attention kernels as well: ``context_mib`` (default 500 MiB), a configured figure, not a derivation.
+  ``mem_get_info`` on torch 2.10 cu130, unslothai/unsloth-zoo#1053). ``context_mib`` defaults to the H200
+  measurement of this project (torch 2.11 cu130, CUDA 13.0, driver 580; ``docs/gpu/h200_measured.json``) after a
+  whole training step: nvidia-smi minus ``max_memory_reserved`` was 880,803,840 B = 840 MiB in each of six jobs (an
+  8B and a 70B model; FSDP, HSDP, TP; with and without AC): the context and the modules the step loaded lazily
+  (cuBLAS, cuDNN attention, torch's own kernels). After the first tensor alone the same process held 545,259,520 B,
+  2 MiB of it the allocator's one segment: 518 MiB of context before any kernel ran, a figure a dry run of a
+  training step would undercount by 322 MiB. The sources above do not show a difference between CUDA 12 and 13
+  that this could follow, so there is one default.
 """
 
 from __future__ import annotations
@@ -48,7 +54,9 @@ NCCL_LL128_BUFFSIZE = 120 * 640 * 8 * 8
 NCCL_CONNECTIONS_PER_CHANNEL = 2
 """Ring: a receive connection from the previous rank and a send connection to the next."""
 DEFAULT_NCCL_CHANNELS = 16
-DEFAULT_CONTEXT_MIB = 500.0
+DEFAULT_CONTEXT_MIB = 840.0
+"""880,803,840 B: the CUDA context and the kernel modules of a training step, measured on an H200 after the step
+(see the module docstring)."""
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 NCCL_BUFFSIZE_ENV = "NCCL_BUFFSIZE"
 _CUBLAS_PAIR = re.compile(r":([0-9]+):([0-9]+)")
@@ -173,8 +181,8 @@ class CudaRuntime(BaseModel):
             },
             "cuda_context": {
                 "bytes": round(self.context_mib * MiB),
-                "source": "cuda.context_mib: a configured figure (CUDA context and lazily loaded kernels; "
-                "~300-500 MiB measured, see hyperdryrun.world.runtime)",
+                "source": "cuda.context_mib: the CUDA context (default: 518 MiB, measured on an H200 after the first "
+                "tensor; the kernels a step loads lazily add ~322 MiB more there, see hyperdryrun.world.runtime)",
             },
         }
 

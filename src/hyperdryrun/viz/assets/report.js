@@ -183,9 +183,11 @@
       ['Blocks', nfInt.format(s.num_blocks), `${nfInt.format(s.num_tasks)} tasks`, ''],
     ];
     if (s.capacity_bytes != null) {
-      stats.push([s.oom ? 'Does not fit' : 'Fits', `${+(s.capacity_bytes / GIB).toFixed(2)} GiB`,
-        s.oom ? `over by ${fmtBytes(-s.headroom_bytes)}` : `${fmtBytes(s.headroom_bytes)} headroom`,
-        s.oom ? 'bad' : 'good']);
+      stats.push([s.oom ? 'Does not fit' : s.at_risk ? 'At risk' : 'Fits',
+        `${+(s.capacity_bytes / GIB).toFixed(2)} GiB`,
+        s.oom ? `over by ${fmtBytes(-s.headroom_bytes)}`
+          : `${fmtBytes(s.headroom_bytes)} headroom` + (s.at_risk ? `, within the ${fmtBytes(s.margin_bytes)} margin` : ''),
+        s.oom || s.at_risk ? 'bad' : 'good']);
     }
     host.replaceChildren(...stats.map(([label, value, sub, cls]) =>
       el('div', {class: 'stat ' + cls}, el('div', {class: 'label', text: label}),
