@@ -33,6 +33,7 @@ KEYS = {
     "a",
     "b",
     "peak",
+    "allocated",
     "peak_without_kernel_scratch",
     "judged_on",
     "tolerance",
@@ -89,6 +90,7 @@ def test_a_report_against_itself_has_zero_error(report_dir, capsys):
     assert (rc, err) == (0, "")
     res = json.loads(out)
     assert set(res) == KEYS
+    assert res["allocated"] is None  # no CUDA snapshot side: the tensor peaks are compared
     assert res["peak"]["diff"] == 0 and res["peak"]["rel_error"] == 0.0
     assert all(c["diff"] == 0 for c in res["categories_at_peak"].values())
     assert all(p["diff"] == 0 for p in res["phases"].values())

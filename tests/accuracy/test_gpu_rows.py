@@ -43,3 +43,24 @@ def test_the_gpu_table_of_accuracy_md_is_the_current_dry_runs(cal, results):
     # `PYTHONPATH=src python scripts/gpu_calibrate.py --from-record` when what is counted changes)
     text = (ROOT / "docs" / "ACCURACY.md").read_text()
     assert cal.record_table(results) in text
+
+
+def test_a_shipped_h200_snapshot_compares_equal_in_allocated_bytes_to_its_dry_run(tmp_path, capsys):
+    # p3 (8B shape, 8 layers, FSDP 4 x TP 2, seq 8192) as the user would check it: the dry run, then `compare` of
+    # the GPU's gzipped snapshot against it. The snapshot's blocks are the allocator's (max_memory_allocated:
+    # 19,404,806,144 B in docs/gpu/h200_measured.json), so the judged figure is the dry run's allocated one.
+    import json
+
+    from tests.conftest import cli
+
+    snapshot = ROOT / "tests" / "allocator" / "data" / "p3_8b8l_fsdp4_tp2.pickle.gz"
+    flags = "--model llama3-8b --n-layers 8 --world-size 8 --dp-shard 4 --tp 2 --seq-len 8192 --gpu h200"
+    rc, _, err = cli(["run", *flags.split(), "--output-dir", str(tmp_path)], capsys)
+    assert rc == 0, err
+    report = tmp_path / "rank_0" / "rank_0_memory.json"
+    rc, out, err = cli(["compare", str(snapshot), str(report), "--json"], capsys)
+    assert rc == 0, err
+    result = json.loads(out)
+    assert result["judged_on"] == "allocated"
+    assert result["allocated"]["a"] == result["allocated"]["b"] == 19_404_806_144
+    assert result["within_tolerance"]

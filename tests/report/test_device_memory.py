@@ -191,7 +191,7 @@ def test_the_console_shows_allocated_reserved_and_device_at_a_glance():
     assert lines[-3].startswith("  device adds NCCL buffers ") and lines[-3].endswith(
         "CUDA context 0.82 GiB"
     )  # 840 MiB
-    assert lines[-2].startswith("[bold red]OOM[/]: over 0.5 GiB on the device by ")
+    assert lines[-2].startswith("[bold red]OOM[/]: over 0.50 GiB on the device by ")
     cpu = headline(build_report(dry_run(world__world_size=2, target_device="cpu"), 0.5))
     assert not any("reserved" in line for line in cpu)
 

@@ -53,7 +53,7 @@ def test_a_job_inside_the_margin_is_at_risk():
         "at risk: device peak 0.84 GiB of 0.844727 GiB, 5.00 MiB headroom, margin 8.65 MiB"
     )
     assert "the real step may not fit" in s["verdict"]
-    assert any(line.startswith("[bold yellow]at risk[/] in 0.844727 GiB on the device: 5.00 MiB headroom")
+    assert any(line.startswith("[bold yellow]at risk[/] in 0.84 GiB on the device: 5.00 MiB headroom")
                for line in headline(build_report(hand_trace(), capacity / GiB)))  # fmt: skip
 
 

@@ -266,6 +266,9 @@ def trace_from_snapshot(data: Any, source: str = "<snapshot>", device: str | Non
         "target_device": info["device"],
         "reserved_bytes_at_snapshot": info["reserved_bytes"],
         "reserved": info["reserved"],
+        # a real snapshot's blocks are the allocator's (max_memory_allocated); one HyperDryRun wrote from a report
+        # holds that report's tensors only
+        "allocator_blocks": not (isinstance(data, dict) and data.get("hyperdryrun_tensors_only")),
     }
     return trace_from_events(
         events, resident=resident, metadata=meta, limitations=limitations, alignment=ALIGNMENT

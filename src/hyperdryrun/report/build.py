@@ -243,7 +243,9 @@ def summarize(
             gib_value = device_memory_gib if device_memory_gib is not None else device.capacity / GIB
             s["capacity_bytes"] = device.capacity
             s["capacity_gib"] = gib_value
-            s.update(_device_verdict(trace, device, device.capacity, f"{gib_value:g}", margin))
+            # the user's figure as given; a preset's (torch's total_memory) to two decimals
+            gib_text = f"{device_memory_gib:g}" if device_memory_gib is not None else f"{gib_value:.2f}"
+            s.update(_device_verdict(trace, device, device.capacity, gib_text, margin))
     elif device_memory_gib is not None:
         capacity = int(round(device_memory_gib * GIB))
         headroom = capacity - trace.peak

@@ -76,16 +76,16 @@ def headline(report: dict[str, Any]) -> list[str]:
         if s["oom"]:
             tips = f" ({s['verdict_line']} tips it)" if s.get("verdict_line") else ""
             lines.append(
-                f"[bold red]OOM[/]: over {s['capacity_gib']:g} GiB{judged} by {_g(-s['headroom_bytes'])}{tips}"
+                f"[bold red]OOM[/]: over {_g(s['capacity_bytes'])}{judged} by {_g(-s['headroom_bytes'])}{tips}"
             )
         elif s.get("at_risk"):
             lines.append(
-                f"[bold yellow]at risk[/] in {s['capacity_gib']:g} GiB{judged}: {_g(s['headroom_bytes'])} "
+                f"[bold yellow]at risk[/] in {_g(s['capacity_bytes'])}{judged}: {_g(s['headroom_bytes'])} "
                 f"headroom, within the {margin} of the model's error (exit 1; --margin-gib 0 accepts it)"
             )
         else:
             lines.append(
-                f"[bold green]fits[/] in {s['capacity_gib']:g} GiB{judged}: {_g(s['headroom_bytes'])} headroom"
+                f"[bold green]fits[/] in {_g(s['capacity_bytes'])}{judged}: {_g(s['headroom_bytes'])} headroom"
                 + (f" ({margin})" if margin else "")
             )
     lines.append(f"after the step: {_g(s['current_bytes'])}")

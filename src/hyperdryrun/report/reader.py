@@ -22,6 +22,7 @@ from hyperdryrun.ingest.files import (
     TASKS_PER_ROW,
     IngestError,
     bounded_int,
+    gunzip,
     read_bytes,
     read_json,
     read_snapshot,
@@ -337,10 +338,12 @@ def load_any(path: str | os.PathLike, device: str | None = None) -> StepTrace | 
     raw = read_bytes(p)
     if not raw:
         raise IngestError(p, "empty file")
+    if raw[:2] == GZIP_MAGIC:
+        raw = gunzip(p, raw)  # a gzipped snapshot (``snapshot.pickle.gz``) as well as a ``.json.gz`` trace
     if raw[:1] == PICKLE_MAGIC:
         return trace_from_snapshot(read_snapshot(p, raw), str(p), device)
     head = raw.lstrip()[:1]
-    if raw[:2] == GZIP_MAGIC or head in (b"{", b"["):
+    if head in (b"{", b"["):
         data = read_json(p, raw)
         if _is_report(data):
             return load_report(p, data)

@@ -37,6 +37,9 @@ from typing import Any
 from hyperdryrun.trace.blocks import ADDRESS_BASE, ALIGNMENT, PERSISTENT_END, Block, Phase, round_size
 from hyperdryrun.viz.files import write_atomic
 
+TENSORS_ONLY_KEY = "hyperdryrun_tensors_only"
+"""Top-level key of a snapshot HyperDryRun wrote from a report: its blocks are the report's tensors only."""
+
 PICKLE_PROTOCOL = 4
 """The web viewer's JavaScript unpickler (MemoryViz.js) reads protocols 2 to 4 only."""
 SMALL_SEGMENT = 2 << 20
@@ -293,7 +296,13 @@ def build_snapshot(trace: Any, segments: Iterable[Segment] | None = None, device
         for s in sorted(segs, key=lambda s: s.address)
         if _alive_at_end(s.end, n)
     ]
-    return {"segments": final, "device_traces": [[] for _ in range(device)] + [entries]}
+    return {
+        "segments": final,
+        "device_traces": [[] for _ in range(device)] + [entries],
+        # not in torch's format (its readers ignore it): the blocks are a report's tensors, without the runtime's
+        # own allocations (cuBLAS workspaces) that a real snapshot's blocks include
+        TENSORS_ONLY_KEY: True,
+    }
 
 
 def write_snapshot(
