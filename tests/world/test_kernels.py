@@ -253,25 +253,38 @@ def test_a_sequence_parallel_rms_norm_runs_the_fused_cuda_kernel_on_its_local_sh
         assert type(out.grad_fn).__name__ == "_FusedRMSNormBackward"  # one fused backward
 
 
-def test_a_tensor_and_sequence_parallel_block_saves_no_fp32_copy_of_its_norm_inputs():
-    # The Llama block under TP 2 + SP (the plan of the built-in recipe and torchtitan), B=2, S=48, D=64: both
-    # norms run the fused kernel on the local (2, 24, 64) shard, each saving one fp32 rstd per local row
-    # (2 x 24 x 4 B), and nothing in the block saves an fp32 tensor of the hidden size (on the CPU composite each
-    # norm saved fp32 copies of its input: the 192 MiB per layer that an H200 did not hold, ../shared/gpu p3, p6).
+def test_a_tensor_and_sequence_parallel_block_saves_what_the_cuda_kernels_save_derived_by_hand():
+    # The Llama block under TP 2 + SP (the recipe's and torchtitan's plan), llama-tiny's shape in bf16: B=2, S=48
+    # (24 per rank on the sequence-parallel side), D=64, 4 query and 2 KV heads of 16 (2 and 1 per rank), FFN 128
+    # (64 per rank); the model's shared RoPE table (complex64). Per rank, each storage once:
+    #   attention_norm, fused kernel on the local shard: input 2*24*64*2 = 6,144, weight 128, fp32 rstd
+    #     2*24*4 = 192                                                                                  6,464
+    #   wqkv (colwise): the gathered input viewed (96, 64), 12,288; its weight's shard (64 rows) 8,192    20,480
+    #   RoPE: xc * rot saves rot (rot needs no grad): (1, 48, 1, 8) complex64                           3,072
+    #   cuDNN attention (sm90, bf16, GQA): q 6,144, k 3,072, v 3,072, out 6,144, fp32 logsumexp
+    #     2*2*48*4 = 768, philox seed and offset 8 + 8                                                 19,216
+    #   wo (rowwise): its weight's shard (64, 32) 4,096; its input is the attention output (cuDNN's layout
+    #     makes transpose().contiguous() a view of it: no new storage)                                  4,096
+    #   ffn_norm: as attention_norm                                                                     6,464
+    #   w1, w3 (colwise): the gathered input 12,288 (once), two weight shards 8,192 each; SiLU saves its
+    #     input 12,288; the product saves both factors 2 x 12,288; w2 (rowwise) its input 12,288 and its
+    #     weight's shard 8,192                                                                          86,016
+    # Total 145,808 B; no fp32 tensor of the hidden size (the CPU composite of rms_norm saved fp32 copies of
+    # every norm input: the 192 MiB per layer an H200 did not hold, ../shared/gpu p3 and p6).
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     from hyperdryrun.audit.layers import _module
-    from hyperdryrun.models.llama import PRESETS, TransformerBlock
+    from hyperdryrun.models.llama import PRESETS, TransformerBlock, rope_cache
     from hyperdryrun.parallel.tp import block_tp_plan
 
-    args = PRESETS["llama-tiny"]
+    args = PRESETS["llama-tiny"].replace(rope="shared")
     with SimulatedWorld(world_size=2, target_device="cuda", simulation_device="cpu") as world, world.fake():
         block = _module(lambda: TransformerBlock(args, 48), torch.device("cpu"), torch.bfloat16)
         parallelize_module(block, world.mesh, block_tp_plan(block, Shard(1)))
+        rope = rope_cache(args.head_dim, 48, args.rope_theta)
         x = torch.randn(2, 24, 64, dtype=torch.bfloat16, requires_grad=True)
-        _, saved = _saved_locals(lambda: block(x, None))
-    fp32_input_sized = [s for s in saved if s[1] == torch.float32 and s[0][-1] == 64]
-    assert fp32_input_sized == []
-    rstd = [s for s in saved if s[0] == (2, 24, 1)]
-    assert rstd == [((2, 24, 1), torch.float32, 192)] * 2
+        _, saved = _saved_locals(lambda: block(x, rope))
+    assert sum(nbytes for _, _, nbytes in saved) == 6_464 + 20_480 + 3_072 + 19_216 + 4_096 + 6_464 + 86_016
+    assert [s for s in saved if s[1] == torch.float32 and s[0][-1] == 64] == []
+    assert [s for s in saved if s[0] == (2, 24, 1)] == [((2, 24, 1), torch.float32, 192)] * 2
