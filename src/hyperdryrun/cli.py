@@ -27,6 +27,7 @@ from hyperdryrun.commands import run as run_command
 from hyperdryrun.commands import snapshot as snapshot_command
 from hyperdryrun.commands import torchtitan as torchtitan_command
 from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, config_from_args  # noqa: F401  (public re-exports)
+from hyperdryrun.compat.versions import torch_problem
 from hyperdryrun.version import __version__
 
 COMMANDS = [
@@ -40,6 +41,9 @@ COMMANDS = [
     fit_command,
 ]
 """Each module registers one subcommand (memray's layout: one small module per command)."""
+RUNS_TORCH = frozenset({"run", "measure", "fit", "torchtitan", "audit-kernels"})
+"""The commands that execute a training step on the installed torch: an unsupported torch stops them before any
+work (:func:`hyperdryrun.compat.versions.torch_problem`); the others only read files."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with sigterm_raises():
             args = build_parser().parse_args(argv)
+            if args.command in RUNS_TORCH and (problem := torch_problem()):
+                return fail(problem)
             return args.func(args)
     except KeyboardInterrupt:
         sys.stderr.write("hyperdryrun: interrupted (SIGINT)\n")

@@ -65,8 +65,11 @@ def headline(report: dict[str, Any]) -> list[str]:
     sim = md.get("simulation_device")
     device = md.get("target_device")
     where = f"{device} (simulated on {sim})" if sim and sim != device else f"{device}"
+    # the torch release the step ran on: its kernels, FSDP2 and DTensor are what was modelled
+    modelled = f" · torch {md['torch_version']}" if md.get("torch_version") else ""
     lines = [
-        f"[bold]{md.get('model', 'model')}[/] · rank {md.get('rank')} of {md.get('world_size')} · {layout} · {where}",
+        f"[bold]{md.get('model', 'model')}[/] · rank {md.get('rank')} of {md.get('world_size')} · {layout} · {where}"
+        f"{modelled}",
         f"peak [bold]{_g(s['peak_bytes'])}[/] in {s['peak_phase']} (task {s['peak_task']}, {s['peak_op']})",
     ]
     lines.extend(device_lines(s))
