@@ -288,7 +288,8 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
 
 
 def run_metadata(world: SimulatedWorld, plan: JobPlan, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What every report says about the run itself: the rank, its world and mesh, the devices, the optimizer."""
+    """What every report says about the run itself: the rank, its world and mesh, the devices, the optimizer, and
+    the torch release it ran on (what the step's kernels, FSDP2 and DTensor behaviour come from)."""
     return {
         "world_size": world.world_size,
         "rank": world.rank,

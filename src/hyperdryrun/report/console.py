@@ -58,7 +58,8 @@ def by_unit(live: dict[str, Any]) -> list[tuple[str, int, int, str]]:
 
 
 def headline(report: dict[str, Any]) -> list[str]:
-    """The lines above the tables: who was simulated, the peak and when, the verdict, what stays after the step."""
+    """The lines above the tables: who was simulated on which torch, the peak and when, the verdict, what stays
+    after the step."""
     md, s = report["metadata"], report["summary"]
     par = md.get("parallel") or {}
     layout = " ".join(f"{k}={v}" for k, v in par.items() if isinstance(v, int) and v > 1) or "single device"
