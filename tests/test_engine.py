@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import hyperdryrun
 import hyperdryrun.recipe as recipe
+from hyperdryrun.compat.torch_dtensor import strided_shard_flag_propagation
 from hyperdryrun.engine import JobPlan, SimulationError, job_plan, micro_batch_step, prepare, simulate_plan
 from hyperdryrun.measure.step import measure_job, measure_plan
 from hyperdryrun.report import build_report
@@ -172,6 +173,19 @@ def test_dtensor_speedup_changes_no_block():
     assert _fresh_process_csv("unpatched") == patched
 
 
+def test_a_torch_without_strided_shard_flag_propagation_gets_no_speedup(monkeypatch):
+    """torch 2.11 has no _propagate_use_strided_shard_flag: nothing to patch, so the world starts (on 2.11 the patch
+    stopped every job with an AttributeError)."""
+    from hyperdryrun import engine
+
+    monkeypatch.setattr(engine, "strided_shard_flag_propagation", lambda: None)
+    assert engine.dtensor_speedups() == []
+
+
+@pytest.mark.skipif(
+    strided_shard_flag_propagation() is None,
+    reason=f"torch {torch.__version__} has no such function to patch",
+)
 def test_dtensor_speedup_patch_undone_after_run_and_after_failure():
     import torch.distributed.tensor._sharding_prop as sharding_prop
 

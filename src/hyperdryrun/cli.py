@@ -31,6 +31,7 @@ from hyperdryrun.commands import snapshot as snapshot_command
 from hyperdryrun.commands import torchtitan as torchtitan_command
 from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, config_from_args  # noqa: F401  (public re-exports)
 from hyperdryrun.commands.preflight import check_limits
+from hyperdryrun.compat.versions import torch_problem
 from hyperdryrun.version import __version__
 
 COMMANDS = [
@@ -45,6 +46,9 @@ COMMANDS = [
     script_command,
 ]
 """Each module registers one subcommand (memray's layout: one small module per command)."""
+RUNS_TORCH = frozenset({"run", "measure", "fit", "torchtitan", "audit-kernels"})
+"""The commands that execute a training step on the installed torch: an unsupported torch stops them before any
+work (:func:`hyperdryrun.compat.versions.torch_problem`); the others only read files."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with sigterm_raises(), broken_pipe_raises():
             args = build_parser().parse_args(argv)
             check_limits()  # every command reads files or simulates within these: refuse a bad one first
+            if args.command in RUNS_TORCH and (problem := torch_problem()):
+                return fail(problem)
             code = args.func(args)
             sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit
             return code

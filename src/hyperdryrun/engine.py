@@ -18,6 +18,7 @@ from typing import Any, TypedDict, Unpack
 import torch
 from torch import nn
 
+from hyperdryrun.compat.torch_dtensor import strided_shard_flag_propagation
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.trace.optimizer_state import describe, no_state_limitation, warm_up
@@ -49,8 +50,11 @@ class SimulationError(RuntimeError):
 
 
 def dtensor_speedups() -> list[Patch]:
-    """Patches that make torch's DTensor sharding propagation cheaper without changing any result."""
-    import torch.distributed.tensor._sharding_prop as sharding_prop
+    """Patches that make torch's DTensor sharding propagation cheaper without changing any result (none where the
+    torch release lacks what they speed up: :func:`~hyperdryrun.compat.torch_dtensor.strided_shard_flag_propagation`)."""
+    sharding_prop = strided_shard_flag_propagation()
+    if sharding_prop is None:
+        return []
     from torch.distributed.tensor.placement_types import _StridedShard
 
     original = sharding_prop._propagate_use_strided_shard_flag
@@ -71,7 +75,7 @@ def dtensor_speedups() -> list[Patch]:
             sharding_prop,
             "_propagate_use_strided_shard_flag",
             propagate_use_strided_shard_flag,
-            reason="torch 2.13 ShardingPropagator.propagate_op_sharding_non_cached calls "
+            reason="torch 2.12+ ShardingPropagator.propagate_op_sharding_non_cached calls "
             "_propagate_use_strided_shard_flag(child, op_schema) for every child of a foreach op's TupleStrategy, "
             "and each call flattens the whole foreach schema: O(tensors^2) per foreach op on a cache miss (5.4 s "
             "CPU of the first AdamW step of the Llama-3-8B FSDP8 job). With no _StridedShard among the inputs the "
@@ -312,7 +316,8 @@ def warnings_as_limitations() -> Iterator[Callable[[], list[str]]]:
 
 
 def run_metadata(world: SimulatedWorld, plan: JobPlan, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What every report says about the run itself: the rank, its world and mesh, the devices, the optimizer."""
+    """What every report says about the run itself: the rank, its world and mesh, the devices, the optimizer, and
+    the torch release it ran on (what the step's kernels, FSDP2 and DTensor behaviour come from)."""
     return {
         "world_size": world.world_size,
         "rank": world.rank,
@@ -323,6 +328,7 @@ def run_metadata(world: SimulatedWorld, plan: JobPlan, optimizer: torch.optim.Op
         "mesh_dim_names": list(world.mesh_dim_names),
         "num_micro_batches": plan.num_micro_batches,
         "optimizer": describe(optimizer),
+        "torch_version": torch.__version__,
     }
 
 

@@ -12,8 +12,11 @@ from typing import Any
 
 import torch
 
+from hyperdryrun.compat.torch_pipelining import receive_buffer
+from hyperdryrun.compat.versions import installed_version
 from hyperdryrun.config import JobConfig
 from hyperdryrun.engine import JobPlan, StepTrace, micro_batch_step, simulate_plan
+from hyperdryrun.models.hf import is_hf_name
 from hyperdryrun.models.llama import cross_entropy_loss
 from hyperdryrun.parallel.context import ContextParallelStep
 from hyperdryrun.parallel.fsdp import DTYPES, fsdp_enabled
@@ -165,6 +168,8 @@ def job_metadata(cfg: JobConfig) -> dict:
         "num_params": args.num_params(),
         "hyperdryrun_version": __version__,
         "torch_version": torch.__version__,
+        # a Hugging Face model is transformers' code: its release is part of what was modelled
+        **({"transformers_version": installed_version("transformers")} if is_hf_name(cfg.model.name) else {}),
         "dtype": t.dtype,
         "mixed_precision": {"param_dtype": t.param_dtype, "reduce_dtype": t.reduce_dtype}
         if fsdp_enabled(cfg)
@@ -351,9 +356,9 @@ def init_stages(model: torch.nn.Module, init_weights: Callable[[torch.nn.Module]
 
 
 def pipeline_held_buffers(schedule: Any) -> Iterator[tuple[torch.Tensor, Category, str]]:
-    """The p2p receive buffers of a built pipeline schedule's stages (torch 2.13 ``PipelineStage`` allocates one
-    per micro batch for activations and for gradients at the first step and keeps them): input data, ``Other``,
-    as the dry run labels them."""
+    """The p2p receive buffers of a built pipeline schedule's stages (``PipelineStage`` allocates one per micro
+    batch for activations and for gradients at the first step and keeps them): input data, ``Other``, as the dry
+    run labels them. Which entries are received: :func:`~hyperdryrun.compat.torch_pipelining.receive_buffer`."""
     if schedule is None:
         return
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
@@ -361,8 +366,8 @@ def pipeline_held_buffers(schedule: Any) -> Iterator[tuple[torch.Tensor, Categor
         for infos in (stage.args_recv_info, stage.grad_recv_info):
             for recv in infos.values():
                 for info in recv:
-                    if not getattr(info, "is_root_arg", True) and info.buffer is not None:
-                        yield info.buffer, Category.OTHER, ""
+                    if (buffer := receive_buffer(info)) is not None:
+                        yield buffer, Category.OTHER, ""
 
 
 def moe_limitations(cfg: JobConfig) -> list[str]:

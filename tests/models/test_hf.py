@@ -258,3 +258,15 @@ def test_cli_runs_a_shipped_hf_config(tmp_path, capsys):
     report = json.loads((tmp_path / "rank_0" / "rank_0_memory.json").read_text())
     assert report["metadata"]["model"] == "hf:llama-3.1-8b"
     assert report["metadata"]["model_args"]["config"]["num_hidden_layers"] == 1
+
+
+def test_a_hugging_face_job_names_the_transformers_it_modelled_and_a_built_in_one_does_not():
+    import torch
+    import transformers
+
+    from hyperdryrun.recipe import job_metadata
+
+    hf = job_metadata(build_config({"model": {"name": "hf:llama-3.1-8b"}, "training": {"seq_len": 64}}))
+    assert hf["transformers_version"] == transformers.__version__ and hf["torch_version"] == torch.__version__
+    built_in = job_metadata(build_config({"model": {"name": "llama-tiny"}, "training": {"seq_len": 64}}))
+    assert "transformers_version" not in built_in

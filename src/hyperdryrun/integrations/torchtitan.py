@@ -742,7 +742,7 @@ class TorchtitanJob:
         from torchtitan.distributed.cudagraph import wrap_with_cuda_graph
         from torchtitan.trainer import Trainer
 
-        from hyperdryrun.parallel.pipeline import static_vote_patch
+        from hyperdryrun.parallel.pipeline import static_vote_patches
         from hyperdryrun.world.values import ROUTING_OP, ValueRule, ValueRules, use_rules
 
         config, t = self.config, self.config.training
@@ -785,7 +785,7 @@ class TorchtitanJob:
             PatchSet(
                 []
                 if self.pp_schedule is None
-                else [static_vote_patch(), *_micro_batch_step_patch(self.pp_schedule)]
+                else [*static_vote_patches(), *_micro_batch_step_patch(self.pp_schedule)]
             ),
         ):
             Trainer.train_step(trainer, batches)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from hyperdryrun.compat.torch_pipelining import metadata_vote, receive_buffer
 from hyperdryrun.parallel.fsdp import DTYPES, fsdp_enabled
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.trace.tracker import active_tracker
@@ -239,7 +240,7 @@ def _stage_class() -> type:
 
     class TrackedStage(PipelineStage):
         """``PipelineStage`` that tells the tracker which micro batch it computes and labels its p2p receive
-        buffers (one per micro batch, allocated by torch 2.13 at the first step and kept) as ``Other``."""
+        buffers (one per micro batch, allocated at the first step and kept) as ``Other``."""
 
         def _label(self, mb: int) -> None:
             tracker = active_tracker()
@@ -256,8 +257,8 @@ def _stage_class() -> type:
                 return
             for recv in infos.values():
                 for info in recv:
-                    if not info.is_root_arg and info.buffer is not None:
-                        tracker.mark(info.buffer, Category.OTHER)
+                    if (buffer := receive_buffer(info)) is not None:
+                        tracker.mark(buffer, Category.OTHER)
 
         def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
             out = super()._prepare_forward_infra(*args, **kwargs)
@@ -290,8 +291,14 @@ def _stage_class() -> type:
     return TrackedStage
 
 
+def static_vote_patches() -> list[Patch]:
+    """:func:`static_vote_patch` where the torch release runs the vote
+    (:func:`~hyperdryrun.compat.torch_pipelining.metadata_vote`), none where it does not (torch 2.11)."""
+    return [static_vote_patch()] if metadata_vote() else []
+
+
 def static_vote_patch() -> Patch:
-    """torch 2.13 ``_PipelineSchedule._warmup_p2p`` runs a P2P vote on whether every stage has static metadata and
+    """torch 2.12+ ``_PipelineSchedule._warmup_p2p`` runs a P2P vote on whether every stage has static metadata and
     reads its outcome with ``.item()`` — a data-dependent read that fake tensors cannot answer. Every rank of the
     simulated job gives complete static metadata (this module does), so the vote's outcome is known: STATIC. The
     replacement sets it per stage, refusing a stage whose metadata is incomplete instead of guessing."""
@@ -310,7 +317,7 @@ def static_vote_patch() -> Patch:
         _PipelineSchedule,
         "_warmup_p2p",
         warmup_static,
-        "torch 2.13 _PipelineSchedule._warmup_p2p reads the P2P metadata vote with .item(), data-dependent on "
+        "torch 2.12+ _PipelineSchedule._warmup_p2p reads the P2P metadata vote with .item(), data-dependent on "
         "fake tensors (DataDependentOutputException)",
     )
 
@@ -406,7 +413,7 @@ class DecoderPipeline:
         losses: list | None = [] if self.has_last else None
         target = labels if self.has_last else None
         args = (tokens,) if self.has_first else ()
-        with PatchSet([static_vote_patch()]), self.loss_context():
+        with PatchSet(static_vote_patches()), self.loss_context():
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         del tokens, labels, target, losses
         optimizer.step()

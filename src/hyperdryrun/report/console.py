@@ -58,15 +58,19 @@ def by_unit(live: dict[str, Any]) -> list[tuple[str, int, int, str]]:
 
 
 def headline(report: dict[str, Any]) -> list[str]:
-    """The lines above the tables: who was simulated, the peak and when, the verdict, what stays after the step."""
+    """The lines above the tables: who was simulated on which torch, the peak and when, the verdict, what stays
+    after the step."""
     md, s = report["metadata"], report["summary"]
     par = md.get("parallel") or {}
     layout = " ".join(f"{k}={v}" for k, v in par.items() if isinstance(v, int) and v > 1) or "single device"
     sim = md.get("simulation_device")
     device = md.get("target_device")
     where = f"{device} (simulated on {sim})" if sim and sim != device else f"{device}"
+    # the torch release the step ran on: its kernels, FSDP2 and DTensor are what was modelled
+    modelled = f" · torch {md['torch_version']}" if md.get("torch_version") else ""
     lines = [
-        f"[bold]{md.get('model', 'model')}[/] · rank {md.get('rank')} of {md.get('world_size')} · {layout} · {where}",
+        f"[bold]{md.get('model', 'model')}[/] · rank {md.get('rank')} of {md.get('world_size')} · {layout} · {where}"
+        f"{modelled}",
         f"peak [bold]{_g(s['peak_bytes'])}[/] in {s['peak_phase']} (task {s['peak_task']}, {s['peak_op']})",
     ]
     lines.extend(device_lines(s))

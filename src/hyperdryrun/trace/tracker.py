@@ -321,7 +321,10 @@ class MemoryTracker:
                 if blk is not None:
                     used.append(blk)
             elif key not in inputs and st.nbytes() > 0 and all(s is not st for s in new):
-                new.append(st)
+                # a fake tensor on "meta" (an example shape made inside the step, e.g. a pipeline stage's
+                # input_args, which torch 2.11's PipelineStage keeps as inputs_meta) holds no memory anywhere
+                if t.device.type != "meta":
+                    new.append(st)
         sid = -1
         if self.capture_stacks:
             seq = _sequence_nr()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hyperdryrun.compat.torch_fsdp import accumulated_grad_copy
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.world.patches import Patch
 
@@ -13,7 +14,10 @@ def gradient_accumulation_buffers(tracker_of: Callable[[], Any]) -> list[Patch]:
     """While gradient sync is off (``set_requires_gradient_sync(False)``, which torch's pipeline stages do until the
     last micro batch), torch 2.13 FSDP2 keeps each parameter's unsharded gradient as
     ``FSDPParam.unsharded_accumulated_grad``, cast to ``reduce_dtype`` in ``to_accumulated_grad_if_needed``. No
-    gradient hook fires for that copy, so without this it would be categorised as a backward temporary."""
+    gradient hook fires for that copy, so without this it would be categorised as a backward temporary. None where
+    the release has no such copy (:func:`~hyperdryrun.compat.torch_fsdp.accumulated_grad_copy`)."""
+    if not accumulated_grad_copy():
+        return []
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
     orig = FSDPParam.to_accumulated_grad_if_needed

@@ -1,0 +1,33 @@
+"""torch's pipeline schedules (``torch/distributed/pipelining/schedules.py``), by release."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def metadata_vote() -> bool:
+    """Whether a schedule's first step runs a P2P vote on the stages' input/output metadata.
+
+    torch 2.12 and later: ``_PipelineSchedule._warmup_p2p`` (called from ``_initialize_stages``) has every stage vote
+    on whether its metadata is static (``InferenceMode`` in ``torch/distributed/pipelining/_utils.py``) and reads
+    the outcome with ``.item()``, which fake tensors cannot answer (:func:`hyperdryrun.parallel.pipeline.
+    static_vote_patch` answers it). torch 2.11 has neither the vote nor ``InferenceMode``: a stage built with
+    ``input_args``/``output_args`` uses them as they are (feature detection: ``hasattr``).
+    """
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    return hasattr(_PipelineSchedule, "_warmup_p2p")
+
+
+def receive_buffer(info: Any) -> Any | None:
+    """The buffer a ``PipelineStage`` receives one input or gradient into (an entry of its ``args_recv_info`` /
+    ``grad_recv_info``), or None for a model input, which is passed in rather than received.
+
+    torch 2.12 and later (``torch/distributed/pipelining/stage.py``): every entry is a ``_RecvInfo``, a model input
+    one with ``is_root_arg=True`` and ``buffer=None``. torch 2.11: a model input is a ``_RootArgPlaceholder`` (no
+    ``buffer``) and a ``_RecvInfo`` (no ``is_root_arg``) is always received into its ``buffer``. Decided by the
+    attributes the entry has, so both shapes read the same.
+    """
+    if getattr(info, "is_root_arg", False):
+        return None
+    return getattr(info, "buffer", None)

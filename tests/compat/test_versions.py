@@ -1,0 +1,114 @@
+"""The supported torch releases: pyproject's requirement, the refusal of any other torch before any work, the torch
+a report names, and the release list .ci/run tests. Runs on every supported release (.ci/torch-releases)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.requirements import Requirement
+
+from hyperdryrun.compat import versions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torch_requirement() -> Requirement:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (req,) = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
+    return req
+
+
+def test_pyproject_requires_exactly_the_supported_releases():
+    """pip accepts every supported release already installed (so installing the package never replaces it) and
+    refuses the releases on either side."""
+    spec = torch_requirement().specifier
+    for version in ("2.11.0", "2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.0", "2.14.1"):
+        assert spec.contains(version), version
+        assert versions.torch_problem(version) is None, version
+    for version in ("2.10.0", "2.10.1+cu128", "2.15.0", "3.0.0"):
+        assert not spec.contains(version), version
+        assert versions.torch_problem(version) is not None, version
+    assert str(spec) == ",".join(sorted(versions.TORCH_REQUIREMENT.split(",")))
+
+
+def test_the_pinned_release_is_supported():
+    (pin,) = re.findall(r"^torch==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M)
+    assert versions.torch_problem(pin) is None and torch_requirement().specifier.contains(pin)
+
+
+def test_the_installed_torch_is_supported_and_named_as_imported():
+    assert versions.torch_problem() is None
+    assert versions.installed_version("torch") == torch.__version__
+    assert versions.library_versions("no-such-library-xyz") == {
+        "torch": torch.__version__,
+        "no-such-library-xyz": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("version", "release"), [("2.13.0+cpu", (2, 13)), ("2.15.0.dev20260101", (2, 15)), ("nightly", None)]
+)
+def test_release_reads_major_and_minor(version, release):
+    assert versions.release(version) == release
+
+
+def test_an_unsupported_torch_is_one_line_naming_the_range(monkeypatch):
+    monkeypatch.delenv(versions.ALLOW_UNSUPPORTED, raising=False)
+    line = versions.torch_problem("2.10.0+cu128")
+    assert "\n" not in line
+    assert (
+        line.startswith("torch 2.10.0+cu128 is not supported") and "torch 2.11 to 2.14 (>=2.11,<2.15)" in line
+    )
+    monkeypatch.setenv(versions.ALLOW_UNSUPPORTED, "1")
+    assert versions.torch_problem("2.10.0+cu128") is None
+    monkeypatch.setattr(versions, "installed_version", lambda name: None)
+    assert (
+        versions.torch_problem()
+        == "torch is not installed; hyperdryrun supports torch 2.11 to 2.14 (>=2.11,<2.15)"
+    )
+
+
+def test_the_cli_refuses_an_unsupported_torch_before_any_work(monkeypatch, tmp_path, capsys):
+    from tests.conftest import cli
+
+    monkeypatch.delenv(versions.ALLOW_UNSUPPORTED, raising=False)
+    monkeypatch.setattr(versions, "installed_version", lambda name: "2.10.0")
+    out = tmp_path / "out"
+    rc, stdout, err = cli(
+        ["run", "--model", "llama-tiny", "--seq-len", "16", "--output-dir", str(out)], capsys
+    )
+    assert rc == 2 and stdout == ""
+    assert err.count("\n") == 1 and err.startswith("hyperdryrun: error: torch 2.10.0 is not supported")
+    assert not out.exists()  # nothing ran, nothing was written
+    # commands that only read files still work: here report's own error about the missing input, not torch's
+    rc, _, err = cli(["report", str(tmp_path / "missing")], capsys)
+    assert "torch" not in err
+
+
+@pytest.mark.slow
+def test_a_report_names_the_torch_it_modelled_and_the_console_shows_it(tmp_path, capsys):
+    import json
+
+    from tests.conftest import cli
+
+    out = tmp_path / "out"
+    rc, stdout, _ = cli(["run", "--model", "llama-tiny", "--seq-len", "16", "--output-dir", str(out)], capsys)
+    assert rc == 0
+    md = json.loads((out / "rank_0" / "rank_0_memory.json").read_text())["metadata"]
+    assert md["torch_version"] == torch.__version__ and "transformers_version" not in md
+    assert stdout.splitlines()[0].endswith(f" · torch {torch.__version__}")
+
+
+def test_ci_tests_every_other_supported_release():
+    """.ci/torch-releases names one release of each supported minor but the pinned one (which the full suite runs)."""
+    text = (ROOT / ".ci" / "torch-releases").read_text()
+    (listed,) = re.findall(r'^RELEASES="([^"]+)"', text, re.M)
+    (pin,) = re.findall(r"^torch==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M)
+    (low_major, low), (high_major, high) = versions.SUPPORTED_TORCH
+    assert low_major == high_major
+    minors = sorted(versions.release(v) for v in [*listed.split(), pin])
+    assert minors == [(low_major, m) for m in range(low, high + 1)]
