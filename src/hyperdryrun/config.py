@@ -329,7 +329,7 @@ class JobConfig(_Strict):
     """A CUDA target's GPU, caching-allocator settings and runtime costs (defaults in hyperdryrun.world.runtime)."""
     device_memory_gib: float | None = Field(None, gt=0)
     margin_gib: float | None = Field(None, ge=0)
-    """The verdict's margin in GiB: "at risk" within it under the capacity (hyperdryrun.report.verdict)."""
+    """The verdict's margin in GiB: "at risk" within it under the capacity (hyperdryrun.allocator.verdict)."""
     margin_pct: float | None = Field(None, ge=0, le=100)
     """The verdict's margin in percent of the capacity; neither given: the model's measured device error."""
     output_dir: str = Field("hyperdryrun_out", min_length=1)
@@ -344,8 +344,8 @@ class JobConfig(_Strict):
 
     @property
     def margin(self) -> Any:
-        """The capacity verdict's :class:`~hyperdryrun.report.verdict.Margin`."""
-        from hyperdryrun.report.verdict import Margin
+        """The capacity verdict's :class:`~hyperdryrun.allocator.verdict.Margin`."""
+        from hyperdryrun.allocator.verdict import Margin
 
         return Margin(self.margin_gib, self.margin_pct)
 

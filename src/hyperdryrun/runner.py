@@ -76,7 +76,7 @@ class RankOutcome:
 
     @property
     def verdict_failed(self) -> bool:
-        """Whether the rank's capacity verdict is "OOM" or "at risk" (:mod:`hyperdryrun.report.verdict`)."""
+        """Whether the rank's capacity verdict is "OOM" or "at risk" (:mod:`hyperdryrun.allocator.verdict`)."""
         s = self.report.get("summary", {}) if self.error is None else {}
         return bool(s.get("oom") or s.get("at_risk"))
 

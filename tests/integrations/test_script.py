@@ -127,7 +127,8 @@ def test_torchrun_variables_give_the_rank_and_a_contradicting_flag_is_an_error(t
     assert main(argv) == 0
     r = report(out, 1)
     assert (r["metadata"]["rank"], r["metadata"]["env_rank"], r["metadata"]["world_size"]) == (1, "1", 2)
-    assert r["summary"]["capacity_bytes"] == 80 * 2**30 and r["summary"]["oom"] is False  # --gpu's capacity
+    # --gpu's capacity: torch's total_memory of an H100 80GB, 81,009 MiB ("79.11 GiB" in torch's OOM message)
+    assert r["summary"]["capacity_bytes"] == 81_009 * 2**20 and r["summary"]["oom"] is False
     assert main([*argv, "--rank", "0"]) == 2
     assert "--rank 0 conflicts with RANK=1" in one_error_line(capsys.readouterr().err)
 

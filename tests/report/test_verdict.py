@@ -13,9 +13,9 @@ import math
 
 import pytest
 
+from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION, Margin, verdict_word
 from hyperdryrun.report import build_report
 from hyperdryrun.report.console import headline
-from hyperdryrun.report.verdict import DEVICE_ERROR_FRACTION, Margin, verdict_word
 from tests.report.test_device_memory import hand_trace
 
 MiB, GiB = 2**20, 2**30
@@ -24,7 +24,7 @@ DEVICE_PEAK = (20 + 840) * MiB
 
 def test_the_default_margin_is_one_percent_of_the_capacity():
     # docs/ACCURACY.md's GPU table: the largest device difference is 0.15%; the default margin is 1% (see
-    # hyperdryrun.report.verdict.DEVICE_ERROR_FRACTION for why it is rounded up that far)
+    # hyperdryrun.allocator.verdict.DEVICE_ERROR_FRACTION for why it is rounded up that far)
     assert DEVICE_ERROR_FRACTION == 0.01
     assert Margin().bytes_for(100 * GiB) == 1 * GiB
     assert Margin(pct=1.5).bytes_for(100 * GiB) == round(1.5 * GiB)

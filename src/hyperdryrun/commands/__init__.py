@@ -4,7 +4,7 @@ Exit codes, the same for every command (a CI gate may read them):
 
 - 0 done (the job fits with the margin, or no capacity was asked; compare: within tolerance);
 - 1 the verdict asked for failed: OOM, or "at risk" (within the margin under the capacity, ``--margin-gib 0``
-  turns that off: :mod:`hyperdryrun.report.verdict`), compare outside ``--tolerance``, an audit mismatch;
+  turns that off: :mod:`hyperdryrun.allocator.verdict`), compare outside ``--tolerance``, an audit mismatch;
   nothing else;
 - 2 bad input: a flag, the job file, a value rule, an output directory that cannot be written;
 - 3 an internal error: one line (with the report path when one was written), ``--debug`` shows the traceback;

@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION, Margin
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
 from hyperdryrun.commands.job import _BOOL, FLAG_OF, RUN_FLAGS, _dest, _set
 from hyperdryrun.commands.preflight import check_output_dir, check_output_file
 from hyperdryrun.config import ConfigError, build_config, load_yaml, rank_from_env
-from hyperdryrun.report.verdict import DEVICE_ERROR_FRACTION, Margin
 from hyperdryrun.search.space import DEFAULT_TOP
 
 SEARCHED = {

@@ -14,11 +14,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION
 from hyperdryrun.commands.preflight import WORLD_SIZE, check_job_environment, check_output_dir
 from hyperdryrun.config import TORCHRUN_VARS, ConfigError, JobConfig, build_config, load_yaml, rank_from_env
 from hyperdryrun.models.hf import HF_PREFIX, shipped_configs
 from hyperdryrun.models.registry import presets_help
-from hyperdryrun.report.verdict import DEVICE_ERROR_FRACTION
 
 
 def _int_list(text: str) -> list[int]:

@@ -9,11 +9,11 @@ import sys
 import traceback
 from typing import Any
 
+from hyperdryrun.allocator.verdict import Margin
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, fail, one_line
 from hyperdryrun.commands.measure import CPU_ONLY_NOTE
 from hyperdryrun.commands.preflight import check_cuda_environment, check_rank_outputs
 from hyperdryrun.config import ConfigError, JobConfig, rank_from_env
-from hyperdryrun.report.verdict import Margin
 
 _DEFAULTS = JobConfig.model_fields
 

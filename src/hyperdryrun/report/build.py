@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from hyperdryrun.allocator import AllocatorOptions, DeviceMemory, OutsideCost, Workspace, device_memory
+from hyperdryrun.allocator.verdict import AT_RISK, OOM, Margin, verdict_fields
 from hyperdryrun.report.schema import (
     CSV_COLUMNS,
     GIB,
@@ -21,7 +22,6 @@ from hyperdryrun.report.schema import (
     SEGMENT_CSV_COLUMNS,
     human_bytes,
 )
-from hyperdryrun.report.verdict import AT_RISK, OOM, Margin, verdict_fields
 from hyperdryrun.trace.blocks import (
     CATEGORY_ORDER,
     PERSISTENT_END,
@@ -211,7 +211,7 @@ def summarize(
 ) -> dict[str, Any]:
     """Peak and what it consists of, bytes after the step, the device figures of a CUDA target (``device``: its
     allocator stage) and the capacity verdict (on device bytes where the allocator stage ran; ``margin``: how far
-    under the capacity "fits" starts, :mod:`hyperdryrun.report.verdict`)."""
+    under the capacity "fits" starts, :mod:`hyperdryrun.allocator.verdict`)."""
     margin = margin or Margin()
     blocks = trace.blocks
     peak_task = trace.peak_task
@@ -365,7 +365,7 @@ def build_report(
 ) -> dict[str, Any]:
     """The JSON report of one rank (see :mod:`hyperdryrun.report.schema`); ``device``: the allocator stage's result
     when already computed (:func:`device_memory_of`, also what :func:`segments_csv` writes); ``margin``: the
-    verdict's (:mod:`hyperdryrun.report.verdict`; default: the model's measured error)."""
+    verdict's (:mod:`hyperdryrun.allocator.verdict`; default: the model's measured error)."""
     at_peak = alive_at(trace.blocks, trace.peak_task) if trace.peak_task >= 0 else []
     if device is None:
         device = device_memory_of(trace, device_memory_gib)

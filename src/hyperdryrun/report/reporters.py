@@ -42,7 +42,7 @@ class RankReport:
     ) -> RankReport:
         """The report and CSVs of a traced (or ingested) step: for a CUDA target the allocator model runs once
         (reserved and device bytes in the report, its segments in the segment CSV); ``margin``: the verdict's
-        (:class:`hyperdryrun.report.verdict.Margin`)."""
+        (:class:`hyperdryrun.allocator.verdict.Margin`)."""
         from hyperdryrun.report.build import blocks_csv, build_report, device_memory_of, segments_csv
 
         device = device_memory_of(trace, device_memory_gib)

@@ -16,7 +16,7 @@
 A layout fits when its worst rank's peak is within the capacity, the peak being the allocator model's device figure
 when the reports carry it, else its reserved figure, else the allocated bytes (:func:`verdict_figure` says which).
 It fits *with margin* when that peak is more than ``margin_bytes`` under the capacity; within the margin it is
-"at risk" (:mod:`hyperdryrun.report.verdict`): ranked after every layout that fits with margin, and not counted
+"at risk" (:mod:`hyperdryrun.allocator.verdict`): ranked after every layout that fits with margin, and not counted
 towards ``top``.
 """
 
@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hyperdryrun.allocator import verdict
+from hyperdryrun.allocator.verdict import verdict_word
 from hyperdryrun.config import ConfigError
-from hyperdryrun.report import verdict
-from hyperdryrun.report.verdict import verdict_word
 from hyperdryrun.runner import BAD_INPUT
 from hyperdryrun.search.bounds import StateBound, worst_state_bound
 from hyperdryrun.search.cache import ResultCache, job_key, versions
@@ -64,9 +64,9 @@ class FitJob:
     survives)."""
     shortcut: bool = True
     margin_bytes: int = 0
-    """A peak within this many bytes under the capacity is "at risk" (:mod:`hyperdryrun.report.verdict`)."""
+    """A peak within this many bytes under the capacity is "at risk" (:mod:`hyperdryrun.allocator.verdict`)."""
     margin_source: str = ""
-    """Where ``margin_bytes`` comes from (:meth:`hyperdryrun.report.verdict.Margin.source`)."""
+    """Where ``margin_bytes`` comes from (:meth:`hyperdryrun.allocator.verdict.Margin.source`)."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ process can have, its CUDA context included. It is less than the vendor's figure
 label only) and than nvidia-smi's total, by what the driver reserves: on the H200 measured for this project
 (torch 2.11 cu130, driver 580) 143,155.94 MiB against nvidia-smi's 143,771 MiB. The reserve depends on the driver
 a little (H100 80GB: 79.10-79.11 GiB in torch's out-of-memory messages in 2025 threads, 79.18-79.21 GiB from deviceQuery
-on drivers 12.4-13.0: about 0.1%), far less than the verdict's margin (:mod:`hyperdryrun.report.verdict`). Each
+on drivers 12.4-13.0: about 0.1%), far less than the verdict's margin (:mod:`hyperdryrun.allocator.verdict`). Each
 preset's ``capacity_source`` says where its figure comes from, and which are estimates.
 """
 

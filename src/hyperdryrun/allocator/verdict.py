@@ -77,7 +77,7 @@ class Margin:
             return f"--margin-pct {self.pct:g} of the capacity"
         return (
             f"the model's measured device error, {100 * DEVICE_ERROR_FRACTION:g}% of the capacity "
-            "(hyperdryrun.report.verdict.DEVICE_ERROR_FRACTION, docs/ACCURACY.md)"
+            "(hyperdryrun.allocator.verdict.DEVICE_ERROR_FRACTION, docs/ACCURACY.md)"
         )
 
 
