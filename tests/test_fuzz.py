@@ -20,6 +20,7 @@ import json
 import os
 import pickle
 import resource
+import stat
 import subprocess
 import sys
 import tempfile
@@ -602,8 +603,10 @@ def output_paths(draw: Any, tmp: Path) -> str:
     """A path where an output goes: free, an existing file or directory, under a file, missing parents."""
     (tmp / "dir").mkdir(exist_ok=True)
     (tmp / "file").write_text("a file\n")
-    base = draw(st.sampled_from(["free", "dir", "file", "file/under", "missing/deep/x", "dir/x", ""]))
-    return str(tmp / base) if base else draw(st.sampled_from(["/", "/proc/version", "/dev/null"]))
+    if not (tmp / "fifo").exists():
+        os.mkfifo(tmp / "fifo")  # a special file of our own, not the machine's /dev/null (CI runs as root)
+    base = draw(st.sampled_from(["free", "dir", "file", "file/under", "missing/deep/x", "dir/x", "fifo", ""]))
+    return str(tmp / base) if base else draw(st.sampled_from(["/", "/proc/version"]))
 
 
 @SMALL_BUDGET
@@ -626,6 +629,7 @@ def test_any_output_path_is_written_whole_or_refused_before_anything_is_written(
         }[command]
         rc, out, err = call(argv)
         check_refused_or_read(rc, out, err, {None, 0})
+        assert stat.S_ISFIFO(os.lstat(tmp / "fifo").st_mode)  # a special file is never replaced
         if rc != 0:  # refused (or fit accepted before its search): nothing written
             assert {p: p.read_bytes() for p in tmp.rglob("*") if p.is_file()} == before
 

@@ -334,3 +334,31 @@ def test_the_json_names_sizes_and_hashes_its_csv_and_the_key_comes_last(tmp_path
 def test_an_error_report_carries_no_csv_file(tmp_path):
     err = {"schema_version": 1, "status": "error", "stage": "step", "error": {"type": "X", "message": "m"}}
     assert "csv_file" not in json.loads(write_error_report(err, tmp_path, 0).read_text())
+
+
+def test_a_device_pipe_or_directory_is_never_renamed_over(tmp_path):
+    # A rename over a special file replaces the node: `-o /dev/null` as root once turned /dev/null into a regular
+    # file for the whole machine. Every writer refuses such a target and leaves it as it was (a FIFO here: no root
+    # needed to make one).
+    import stat
+
+    from hyperdryrun.report.writer import write_together
+    from hyperdryrun.search.cache import ResultCache
+    from hyperdryrun.viz.files import write_atomic
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for write in (lambda: write_together([(fifo, "x")]), lambda: write_atomic(fifo, b"x")):
+        with pytest.raises(OSError, match="not a regular file"):
+            write()
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_together([(tmp_path / "dir", "x")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "pipe"]  # no temporary left
+    cache = ResultCache(tmp_path / "cache")
+    target = cache._path("sim", "k")
+    target.parent.mkdir(parents=True)
+    os.mkfifo(target)
+    cache.put("sim", "k", {"a": 1})  # a cache that cannot be written is skipped
+    assert stat.S_ISFIFO(os.lstat(target).st_mode)

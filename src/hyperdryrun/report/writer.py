@@ -25,9 +25,22 @@ def segments_path(output_dir: str | os.PathLike, rank: int) -> Path:
     return Path(output_dir) / f"rank_{rank}" / f"rank_{rank}_segments.csv"
 
 
+def replaceable(path: str | os.PathLike) -> None:
+    """Raise ``OSError`` unless a new file may be renamed over ``path``: nothing there, or a regular file. A rename
+    over a device, a pipe or a socket would replace the node itself (``-o /dev/null`` run as root turned
+    /dev/null into a regular file for every process on the machine), over a directory it fails half-way."""
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise (
+            IsADirectoryError(f"{os.fspath(path)}: exists and is not a regular file")
+            if os.path.isdir(path)
+            else OSError(f"{os.fspath(path)}: exists and is not a regular file (a device, pipe or socket)")
+        )
+
+
 def _write_temp(path: Path, text: str | bytes) -> Path:
     """``text`` (UTF-8 when a str) in a new temporary file beside ``path``, with the usual file mode; nothing is left
     if it fails."""
+    replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

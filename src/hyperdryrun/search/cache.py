@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hyperdryrun.report.writer import replaceable
 from hyperdryrun.version import __version__
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ class ResultCache:
             return
         path = self._path(kind, key)
         try:
+            replaceable(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             with gzip.open(tmp, "wt") as f:

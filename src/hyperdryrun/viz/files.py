@@ -10,7 +10,10 @@ from pathlib import Path
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to a temp file beside ``path`` and rename it over ``path``; nothing partial on failure."""
+    from hyperdryrun.report.writer import replaceable
+
     out = Path(path)
+    replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:
