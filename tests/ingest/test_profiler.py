@@ -124,3 +124,22 @@ def test_allocation_ids_key_events_when_the_profiler_assigns_them(lin):
         del y
     alloc, free = events_from_profiler(prof)
     assert isinstance(alloc.key, int) and free.key == alloc.key and free.nbytes == -alloc.nbytes == -256
+
+
+def test_the_optimizer_phase_follows_the_event_tree_not_only_time_stamps(lin, monkeypatch):
+    # The momentum buffers SGD clones in its first step lie under its `step` frame in the profiler's tree; they are
+    # the optimizer's even when no time-stamp span says so (as when the Optimizer.step# span and an allocation's
+    # time stamp disagree on a loaded machine).
+    from hyperdryrun.ingest import profiler as ingest
+
+    x = torch.randn(4, 8)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9, foreach=False)
+
+    def step():
+        lin(x).sum().backward()
+        opt.step()
+
+    monkeypatch.setattr(ingest, "_inside", lambda spans, t: False)
+    events = events_from_profiler(profiled(step), module_names={id(lin): "lin"})
+    opt_sizes = sorted(e.nbytes for e in events if e.nbytes > 0 and e.phase is Phase.OPTIMIZER)
+    assert opt_sizes == [16 * F32, 16 * 8 * F32]

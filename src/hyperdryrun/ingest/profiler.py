@@ -31,6 +31,10 @@ from hyperdryrun.trace.tracker import RESIZE_OP
 MARK_PREFIX = "hyperdryrun::mark::"
 MICRO_BATCH_PREFIX = "hyperdryrun::micro_batch::"
 _OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
+_OPTIMIZER_STEP = re.compile(r"torch/optim/(optimizer\.py\(\d+\): wrapper|\w+\.py\(\d+\): step)$")
+"""A Python frame of an optimizer's step (``with_stack``): torch's ``profile_hook_step`` wrapper, or a torch.optim
+``step``. An allocation under one is the optimizer's by the event tree, not only by comparing its time stamp with
+the ``Optimizer.step#`` span (the span hangs off a zero-length call in torch 2.13's tree)."""
 _ADDRESS = re.compile(r" (of [^>]* )?at 0x[0-9a-fA-F]+")
 _NOT_OPS = ("autograd::", "hyperdryrun::", "profiler::", "ProfilerStep")
 _AUTOGRAD_PREFIX = "autograd::engine::evaluate_function"
@@ -103,6 +107,7 @@ class _Context:
     module: str = ""
     module_in_backward: bool = False
     frames: tuple[Any, ...] = ()
+    in_optimizer: bool = False
 
 
 def events_from_profiler(
@@ -178,6 +183,8 @@ def events_from_profiler(
             ctx.frames = (e, *ctx.frames)
             if "run_backward" in e.name:
                 ctx.in_backward = True
+            if _OPTIMIZER_STEP.search(e.name):
+                ctx.in_optimizer = True
             module = getattr(extra, "module", None) if kind == _EventType.PyCall else None
             if module is not None:
                 ctx.module = names.get(module.self_ptr, module.cls_name)
@@ -206,7 +213,7 @@ def events_from_profiler(
         if device is not None and not dev.startswith(normalize_device(device)):
             continue
         size = int(f.alloc_size)
-        if _inside(optimizer_spans, e.start_time_ns):
+        if ctx.in_optimizer or _inside(optimizer_spans, e.start_time_ns):
             phase = Phase.OPTIMIZER
         elif ctx.in_backward:
             phase = Phase.RECOMPUTE if ctx.module_in_backward else Phase.BACKWARD
