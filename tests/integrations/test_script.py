@@ -253,3 +253,14 @@ def test_the_scripts_own_arguments_after_a_double_dash_are_its_sys_argv(tmp_path
     assert report(out, 0)["metadata"]["rows"] == 32
     assert main(argv[:-3]) == 2  # without them its own parser exits: one line naming it
     assert "raised SystemExit: 2" in one_error_line(capsys.readouterr().err)
+
+
+def test_a_script_job_within_the_margin_exits_1_like_run(tmp_path):
+    # "at risk" fails the verdict as OOM does, for a script's rank as for run's: its device peak 0.5% under the
+    # capacity is inside the default 1% margin
+    base = ["script", JOB, "--no-stacks", "--in-process", "--quiet"]
+    assert main([*base, "--device-memory-gib", "80", "--output-dir", str(tmp_path / "a")]) == 0
+    peak = report(tmp_path / "a", 0)["summary"]["peak_device_bytes"]
+    capacity = repr(peak * 1.005 / 2**30)
+    assert main([*base, "--device-memory-gib", capacity, "--output-dir", str(tmp_path / "b")]) == 1
+    assert report(tmp_path / "b", 0)["summary"]["fit"] == "at risk"

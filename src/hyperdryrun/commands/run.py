@@ -60,9 +60,8 @@ def parse_ranks(args: argparse.Namespace, world_size: int) -> list[int] | None:
 def run(args: argparse.Namespace) -> int:
     """Parse, run the rank(s) through :mod:`hyperdryrun.runner`, print; the exit code of
     :mod:`hyperdryrun.commands`."""
-    from rich.console import Console
 
-    from hyperdryrun.report.console import print_ranks, print_summary
+    from hyperdryrun.report.console import print_ranks
     from hyperdryrun.runner import run_rank, run_ranks
 
     warnings: list[str] = []
@@ -99,7 +98,16 @@ def run(args: argparse.Namespace) -> int:
 
             write_rank_classes(cfg, classes, outcomes, quiet=args.quiet)
         return exit_code_of(outcomes, args.debug)
-    out = run_rank(cfg, capture_stacks=not args.no_stacks)
+    return finish_rank(run_rank(cfg, capture_stacks=not args.no_stacks), args)
+
+
+def finish_rank(out: Any, args: argparse.Namespace) -> int:
+    """Print one rank's outcome (its summary, or one line with ``--quiet``) and give the command's exit code: the
+    error's, else 1 when the capacity verdict failed ("OOM" or "at risk"), else 0."""
+    from rich.console import Console
+
+    from hyperdryrun.report.console import print_summary
+
     if out.error:
         return exit_code_of([out], args.debug)
     s = out.report["summary"]

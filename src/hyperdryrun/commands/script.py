@@ -22,7 +22,7 @@ from hyperdryrun.commands import (
     internal_error,
 )
 from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, _dest, _set, _with_default, merge_rank_identity
-from hyperdryrun.commands.run import parse_ranks
+from hyperdryrun.commands.run import finish_rank, parse_ranks
 from hyperdryrun.config import ConfigError, build_config
 
 SCRIPT_FLAGS = (
@@ -233,10 +233,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _one(args: argparse.Namespace, given: dict[str, int | None], base: dict[str, Any]) -> int:
-    from rich.console import Console
 
     from hyperdryrun.child import ChildDied, ChildFailed, run_in_child
-    from hyperdryrun.report.console import print_summary
     from hyperdryrun.runner import crashed_rank
 
     options = {
@@ -262,16 +260,7 @@ def _one(args: argparse.Namespace, given: dict[str, int | None], base: dict[str,
                 if args.debug:
                     sys.stderr.write(err.traceback_text)
                 return internal_error(str(err), None, args.debug)
-    if out.error:
-        return exit_code_of([out], args.debug)
-    s = out.report["summary"]
-    if args.quiet:
-        Console().print(
-            f"peak {s['peak_gib']:.2f} GiB ({s['peak_phase']}); {s.get('verdict', '')}".rstrip("; ")
-        )
-    else:
-        print_summary(out.report, out.paths)
-    return EXIT_VERDICT if out.oom else EXIT_OK
+    return finish_rank(out, args)  # exit 1 for "at risk" as for OOM, as run does
 
 
 def _probe(args: argparse.Namespace, given: dict[str, int | None]) -> dict[str, Any] | int:
