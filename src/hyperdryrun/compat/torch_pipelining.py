@@ -31,3 +31,15 @@ def receive_buffer(info: Any) -> Any | None:
     if getattr(info, "is_root_arg", False):
         return None
     return getattr(info, "buffer", None)
+
+
+def last_stage_outputs_unchecked(stage: Any) -> bool:
+    """Whether torch leaves the last stage's forward outputs unvalidated where it validates the others' (so a
+    static stage of ours checks them itself).
+
+    torch 2.12 and later (``torch/distributed/pipelining/stage.py``, ``forward_one_chunk``): stage tensors are
+    validated only under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (``_runtime_validate``), and the outputs only of stages
+    that send them (``not self.is_last``). torch 2.11 validates every stage's outputs, the last one's included
+    (``_validate_fwd_outputs``), and has no ``_runtime_validate``: nothing is left to check.
+    """
+    return bool(getattr(stage, "_runtime_validate", False)) and stage.is_last

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from hyperdryrun.compat.torch_pipelining import metadata_vote, receive_buffer
+from hyperdryrun.compat.torch_pipelining import last_stage_outputs_unchecked, metadata_vote, receive_buffer
 from hyperdryrun.parallel.fsdp import DTYPES, fsdp_enabled
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.trace.tracker import active_tracker
@@ -273,7 +273,7 @@ def _stage_class() -> type:
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             self._label(fwd_chunk_id)
             output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-            if self._runtime_validate and self.is_last:  # torch validates only the outputs it sends
+            if last_stage_outputs_unchecked(self):  # torch 2.12+ validates only the outputs it sends
                 outputs = output if isinstance(output, tuple) else (output,)
                 self._validate_stage_tensors(
                     f"Stage {self.stage_index} forward outputs", self._stage_meta.outputs, outputs
