@@ -15,7 +15,7 @@ from typing import Any
 
 from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION, Margin
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
-from hyperdryrun.commands.job import _BOOL, FLAG_OF, RUN_FLAGS, _dest, _set
+from hyperdryrun.commands.job import _BOOL, RUN_FLAGS, _dest, _set, naming_flag
 from hyperdryrun.commands.preflight import check_output_dir, check_output_file
 from hyperdryrun.config import ConfigError, build_config, load_yaml, rank_from_env
 from hyperdryrun.search.space import DEFAULT_TOP
@@ -157,11 +157,7 @@ def _base_job(args: argparse.Namespace) -> dict[str, Any]:
     try:
         cfg = build_config(data)
     except ConfigError as err:
-        msg = str(err)
-        field = msg.split(":", 1)[0]
-        raise ConfigError(
-            f"{field} ({FLAG_OF[field]}){msg[len(field) :]}" if field in FLAG_OF else msg
-        ) from None
+        raise naming_flag(err) from None
     from hyperdryrun.commands.preflight import check_job_environment
     from hyperdryrun.search.space import base_job
 

@@ -190,6 +190,13 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
 FLAG_OF = {path: flag for flag, (path, _, _) in RUN_FLAGS.items()}
 
 
+def naming_flag(err: ConfigError) -> ConfigError:
+    """``err`` with its field's flag named beside it (``training.seq_len (--seq-len): ...``) when a flag sets it."""
+    msg = str(err)
+    field = msg.split(":", 1)[0]
+    return ConfigError(f"{field} ({FLAG_OF[field]}){msg[len(field) :]}" if field in FLAG_OF else msg)
+
+
 def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
@@ -322,11 +329,7 @@ def job_from_args(
     try:
         cfg = config_from_args(args, environ)
     except ConfigError as err:
-        msg = str(err)
-        field = msg.split(":", 1)[0]
-        if field in FLAG_OF:
-            msg = f"{field} ({FLAG_OF[field]}){msg[len(field) :]}"
-        raise ConfigError(msg) from None
+        raise naming_flag(err) from None
     check_job_environment(cfg, environ)
     check_output_dir(cfg.output_dir, "--output-dir")
     lines = check_host_cost(cfg, ranks_asked(args, cfg.world.world_size), getattr(args, "jobs", None))

@@ -21,7 +21,7 @@ from hyperdryrun.commands import (
     fail,
     internal_error,
 )
-from hyperdryrun.commands.job import FLAG_OF, RUN_FLAGS, _dest, _set, _with_default, merge_rank_identity
+from hyperdryrun.commands.job import RUN_FLAGS, _dest, _set, _with_default, merge_rank_identity, naming_flag
 from hyperdryrun.commands.run import finish_rank, parse_ranks
 from hyperdryrun.config import ConfigError, build_config
 
@@ -120,11 +120,7 @@ def job_fields(args: argparse.Namespace, environ: Any = None) -> tuple[dict[str,
     try:
         build_config(checked)
     except ConfigError as err:
-        msg = str(err)
-        field = msg.split(":", 1)[0]
-        raise ConfigError(
-            f"{field} ({FLAG_OF[field]}){msg[len(field) :]}" if field in FLAG_OF else msg
-        ) from None
+        raise naming_flag(err) from None
     return given, base
 
 

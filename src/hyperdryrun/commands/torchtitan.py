@@ -9,7 +9,7 @@ import sys
 import traceback
 from typing import Any
 
-from hyperdryrun.allocator.verdict import Margin
+from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION, Margin
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, fail, one_line
 from hyperdryrun.commands.measure import CPU_ONLY_NOTE
 from hyperdryrun.commands.preflight import check_cuda_environment, check_rank_outputs
@@ -75,9 +75,15 @@ def register(subparsers: Any) -> None:
         "--device-memory-gib", type=float, help="capacity: adds headroom and a verdict (fits, at risk, OOM)"
     )
     p.add_argument(
-        "--margin-gib", type=float, help="verdict margin in GiB; 'at risk' exits 1 (default: 3%% of it)"
+        "--margin-gib",
+        type=float,
+        help=f"verdict margin in GiB; 'at risk' exits 1 (default: {100 * DEVICE_ERROR_FRACTION:g}%% of the capacity)",
     )
-    p.add_argument("--margin-pct", type=float, help="verdict margin in percent of the capacity (default: 3)")
+    p.add_argument(
+        "--margin-pct",
+        type=float,
+        help=f"verdict margin in percent of the capacity (default: {100 * DEVICE_ERROR_FRACTION:g})",
+    )
     p.add_argument("--output-dir", default=_DEFAULTS["output_dir"].default, help="where rank_<r>/ goes")
     p.add_argument(
         "--in-process", action="store_true", help="run in this process, not a child (no crash guard)"
