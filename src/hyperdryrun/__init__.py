@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from hyperdryrun.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from hyperdryrun.compat.versions import UnsupportedTorchError
     from hyperdryrun.engine import SimulationError, StepTrace, simulate
     from hyperdryrun.report import build_report, save_reports
     from hyperdryrun.trace.blocks import Block, Category, Phase
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
+        "hyperdryrun.compat.versions": ("UnsupportedTorchError",),
         "hyperdryrun.engine": ("SimulationError", "StepTrace", "simulate"),
         "hyperdryrun.report": ("build_report", "save_reports"),
         "hyperdryrun.trace.blocks": ("Block", "Category", "Phase"),
@@ -33,6 +35,7 @@ __all__ = [
     "SimulatedWorld",
     "SimulationError",
     "StepTrace",
+    "UnsupportedTorchError",
     "build_report",
     "save_reports",
     "simulate",

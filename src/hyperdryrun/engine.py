@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hyperdryrun.compat.torch_dtensor import strided_shard_flag_propagation
+from hyperdryrun.compat.versions import require_supported_torch
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.trace.optimizer_state import describe, no_state_limitation, warm_up
@@ -243,12 +244,14 @@ def simulate(
     The other keywords (:class:`PlanArgs`) are :class:`JobPlan`'s fields: ``world_size``, ``rank``, ``local_rank``,
     ``mesh_shape``, ``mesh_dim_names``, ``target_device`` (``"cuda"``), ``num_micro_batches``, ``metadata``.
     """
+    require_supported_torch()
     return simulate_plan(job_plan(model_fn, batch_fn, **plan), capture_stacks=capture_stacks)
 
 
 def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
     """Dry-run ``plan``: set up on fake tensors (:func:`prepare`), trace one step, return it with its metadata and
     limitations. A failure after the world is made is a :class:`SimulationError` naming the stage."""
+    require_supported_torch()  # the API refuses an unsupported torch as the command line does, before any work
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     world = plan.world()

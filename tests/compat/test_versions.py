@@ -89,6 +89,26 @@ def test_the_cli_refuses_an_unsupported_torch_before_any_work(monkeypatch, tmp_p
     assert "torch" not in err
 
 
+def test_the_python_api_refuses_an_unsupported_torch_before_any_work(monkeypatch):
+    import hyperdryrun
+    from hyperdryrun.engine import simulate
+
+    monkeypatch.delenv(versions.ALLOW_UNSUPPORTED, raising=False)
+    monkeypatch.setattr(versions, "installed_version", lambda name: "2.10.0")
+    built = []
+
+    def model_fn():
+        built.append(1)
+        return torch.nn.Linear(4, 4)
+
+    with pytest.raises(
+        versions.UnsupportedTorchError, match=r"^torch 2\.10\.0 is not supported: .*2\.11 to 2\.14"
+    ):
+        simulate(model_fn, lambda i, device: torch.zeros(2, 4, device=device), world_size=1)
+    assert built == []  # nothing was built: the check comes before the world
+    assert hyperdryrun.UnsupportedTorchError is versions.UnsupportedTorchError
+
+
 @pytest.mark.slow
 def test_a_report_names_the_torch_it_modelled_and_the_console_shows_it(tmp_path, capsys):
     import json

@@ -64,6 +64,17 @@ def torch_problem(version: str | None = None) -> str | None:
     return None
 
 
+class UnsupportedTorchError(RuntimeError):
+    """The installed torch is outside the supported range (the message is :func:`torch_problem`'s line)."""
+
+
+def require_supported_torch() -> None:
+    """Raise :class:`UnsupportedTorchError` when the installed torch is not supported: the Python API's check, as
+    the command line's, before any work."""
+    if problem := torch_problem():
+        raise UnsupportedTorchError(problem)
+
+
 def library_versions(*names: str) -> dict[str, str | None]:
     """``{name: installed version or None}`` for each library named, torch first: what a report modelled."""
     return {name: installed_version(name) for name in ("torch", *names)}
