@@ -169,3 +169,60 @@ def pytest_collection_modifyitems(config, items):
         path = item.nodeid.split("::", 1)[0]
         if path.startswith(SLOW) or item.nodeid.split("[", 1)[0] in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+
+
+_ENVIRONMENT_NOT_OURS = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+"""Set by pytest itself, and by torch the first time anything asks Inductor for its cache directory
+(``torch._inductor.runtime.cache_dir_utils.cache_dir`` writes it into the environment; torch.profiler does on its
+first profile), not by anything a test or a simulation does."""
+
+
+def _process_globals() -> dict:
+    """What one test could leave behind for the next in the same process: global module and optimizer hooks,
+    dispatch and function modes, saved-tensor hooks, grad/anomaly mode, default dtype and device, a running
+    profiler, a Python profile/trace function, the environment. Cheap enough to read around every test."""
+    import os
+    import sys
+
+    import torch
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim_module
+
+    hooks = {
+        name: len(getattr(nn_module, name))
+        for name in dir(nn_module)
+        if name.startswith("_global_") and name.endswith("hooks")
+    }
+    return {
+        **hooks,
+        "optimizer pre hooks": len(optim_module._global_optimizer_pre_hooks),
+        "optimizer post hooks": len(optim_module._global_optimizer_post_hooks),
+        "dispatch modes": torch._C._len_torch_dispatch_stack(),
+        "function modes": torch._C._len_torch_function_stack(),
+        "saved tensors hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+        "grad enabled": torch.is_grad_enabled(),
+        "anomaly mode": torch.is_anomaly_enabled(),
+        "default dtype": torch.get_default_dtype(),
+        "default device": str(torch.get_default_device()),
+        "profiler": torch._C._autograd._profiler_enabled(),
+        "sys.getprofile": sys.getprofile(),
+        "environment": {k: v for k, v in os.environ.items() if k not in _ENVIRONMENT_NOT_OURS},
+    }
+
+
+@pytest.fixture(autouse=True)
+def _leaves_the_process_as_it_found_it():
+    """Every test leaves the process's globals as it found them, so that no test's outcome depends on which tests
+    ran before it in the same process (an order-dependent failure is found at the test that leaks, not later)."""
+    before = _process_globals()
+    yield
+    after = _process_globals()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed:
+        detail = {k: (before.get(k), after.get(k)) for k in changed if k != "environment"}
+        if "environment" in changed:
+            b, a = before["environment"], after["environment"]
+            detail["environment"] = {
+                k: (b.get(k), a.get(k)) for k in b.keys() | a.keys() if b.get(k) != a.get(k)
+            }
+        pytest.fail(f"the test left process globals changed: {detail}", pytrace=False)
