@@ -121,7 +121,10 @@ def _pool_of(size: int) -> str:
 
 def reserved_history(data: Any, d: int, free_action: str) -> dict[str, Any]:
     """Reserved bytes of device ``d`` over the recorded window: the peak, the allocated bytes and fragmentation
-    (reserved minus allocated) where it is first reached, and the segments then by stream and pool.
+    (reserved minus allocated) at the first point where reserved is at its peak with the most bytes allocated, and
+    the segments then by stream and pool. The same point as a dry run's
+    (:attr:`hyperdryrun.allocator.replay.AllocatorReplay.peak_event`), so that ``compare`` reads fragmentation at
+    the same moment on both sides, not where the peak is first reached on one and fullest on the other.
 
     The window's start is the snapshot's state with the window's events undone; allocated bytes are the trace's
     sizes rounded to 512 B (a block handed out unsplit is larger on the device, so fragmentation is an upper
@@ -160,7 +163,7 @@ def reserved_history(data: Any, d: int, free_action: str) -> dict[str, Any]:
             allocated += -(-int(e["size"]) // ALIGNMENT) * ALIGNMENT
         elif action == free_action:
             allocated -= -(-int(e["size"]) // ALIGNMENT) * ALIGNMENT
-        if reserved > peak:
+        if reserved > peak or (reserved == peak and allocated > peak_allocated):
             peak, peak_allocated, at_peak = reserved, allocated, dict(live)
     pools: dict[tuple[int, str], dict[str, Any]] = {}
     for size, stream, pool in at_peak.values():
