@@ -488,7 +488,7 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
     device = f"{job.gpu} " if job.gpu else ""
     console.print(
         f"[bold]{job.base['model']['name']}[/] · {job.base['world']['world_size']} x {device}"
-        f"({job.capacity_bytes / 2**30:g} GiB each) · global batch {job.global_batch_seqs * seq:,} tokens "
+        f"({job.capacity_bytes / 2**30:.2f} GiB each) · global batch {job.global_batch_seqs * seq:,} tokens "
         f"({job.global_batch_seqs} x {seq})"
     )
     skipped = f" · {c['skipped']} not needed (--top {job.top})" if c["skipped"] else ""
