@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hyperdryrun.world.patches import Patch, PatchSet
+from hyperdryrun.compat import torch_context_parallel
+from hyperdryrun.patches import Patch, PatchSet
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
@@ -30,27 +30,9 @@ def _cp_module():
 
 
 def sdpa_name_patch() -> Patch | None:
-    """A stand-in named ``scaled_dot_product_attention`` for whatever ``F.scaled_dot_product_attention`` is now.
-
-    torch 2.13 ``_distribute_function`` (the monkey-patch mode of ``context_parallel``) re-binds
-    ``F.<fn.__name__>`` and restores by that name. The target-kernel SDPA of :mod:`hyperdryrun.world.kernels` is
-    named ``cuda_scaled_dot_product_attention``, so CP's wrapper would land on that attribute and attention would
-    run on the local shard only. Under this stand-in CP wraps it, and the CUDA backend choice still applies inside.
-    """
-    current = F.scaled_dot_product_attention
-    if current.__name__ == "scaled_dot_product_attention":
-        return None
-
-    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return current(*args, **kwargs)
-
-    return Patch(
-        F,
-        "scaled_dot_product_attention",
-        scaled_dot_product_attention,
-        "torch 2.13 context_parallel's _distribute_function patches F.<fn.__name__>; the target-kernel SDPA has "
-        "another __name__, so CP's ring-attention wrapper would not replace F.scaled_dot_product_attention",
-    )
+    """A stand-in named ``scaled_dot_product_attention`` for the target-kernel SDPA, so that context parallel's
+    function patching wraps it (:func:`hyperdryrun.compat.torch_context_parallel.sdpa_name_patch`)."""
+    return torch_context_parallel.sdpa_name_patch()
 
 
 @contextlib.contextmanager
