@@ -18,7 +18,7 @@ from typing import Any, TypedDict, Unpack
 import torch
 from torch import nn
 
-from hyperdryrun.compat import torch_dtensor
+from hyperdryrun.compat import torch_dtensor, versions
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.trace.optimizer_state import describe, no_state_limitation, warm_up
@@ -300,7 +300,7 @@ def run_metadata(world: SimulatedWorld, plan: JobPlan, optimizer: torch.optim.Op
         "mesh_dim_names": list(world.mesh_dim_names),
         "num_micro_batches": plan.num_micro_batches,
         "optimizer": describe(optimizer),
-        "torch_version": torch.__version__,
+        "torch_version": versions.torch_version(),
     }
 
 
