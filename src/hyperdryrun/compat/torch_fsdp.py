@@ -44,3 +44,12 @@ def accumulated_grad_patches(on_accumulated: Callable[[Any], None]) -> list[Patc
             "torch 2.13 FSDP2 accumulates unsharded gradients in a reduce_dtype copy that no gradient hook sees",
         )
     ]
+
+
+def spmd_types_supported() -> bool:
+    """Whether this torch's ``fully_shard`` takes spmd_types-annotated parameters (pytorch/pytorch#181519, after
+    torch 2.13.0): torchtitan 0.3.0's default ``spmd_backend="spmd_types"`` shards through it.
+    Feature detection: ``FSDPParam._spmd_types_to_dtensor`` (``_fsdp_param.py``)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return hasattr(FSDPParam, "_spmd_types_to_dtensor")
