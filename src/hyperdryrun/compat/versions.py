@@ -42,6 +42,14 @@ def torch_version() -> str:
     return torch.__version__
 
 
+def torch_cuda_build() -> str | None:
+    """The CUDA version the running torch was built with (``torch.version.cuda``, e.g. ``13.0``), None for a CPU
+    build (imports torch)."""
+    import torch
+
+    return torch.version.cuda
+
+
 def release(version: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a version string such as ``2.13.0+cpu`` or ``2.15.0.dev20260101``; None if unreadable."""
     match = re.match(r"(\d+)\.(\d+)", version)
