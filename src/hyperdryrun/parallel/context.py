@@ -10,7 +10,6 @@ FSDP2 shards over dp_shard and cp together ("dp_shard_cp", see :func:`hyperdryru
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,12 +22,6 @@ from hyperdryrun.patches import Patch, PatchSet
 ROTATE_METHODS = ("allgather", "alltoall")
 
 
-def _cp_module():
-    from torch.distributed.tensor.experimental._context_parallel import _attention
-
-    return _attention
-
-
 def sdpa_name_patch() -> Patch | None:
     """A stand-in named ``scaled_dot_product_attention`` for the target-kernel SDPA, so that context parallel's
     function patching wraps it (:func:`hyperdryrun.compat.torch_context_parallel.sdpa_name_patch`)."""
@@ -37,39 +30,12 @@ def sdpa_name_patch() -> Patch | None:
 
 @contextlib.contextmanager
 def cp_globals(rotate_method: str) -> Iterator[None]:
-    """Set ring attention's rotate method and restore every CP global of torch 2.13 on exit, also on error.
-
-    ``context_parallel`` leaves ``_dispatch_mode`` set and an entry in ``_replaced_functions``; its exit resets
-    DTensor's custom op handlers to their import-time value and keeps the sharding-propagation cache entries made
-    under the CP sharding rules, which are cleared here so a later run cannot reuse them.
-    """
+    """Set ring attention's rotate method and restore every CP global of torch on exit, also on error
+    (:func:`hyperdryrun.compat.torch_context_parallel.cp_globals`)."""
     if rotate_method not in ROTATE_METHODS:
         raise ValueError(f"rotate_method={rotate_method!r}: choose one of {', '.join(ROTATE_METHODS)}")
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.debug import (
-        _clear_fast_path_sharding_prop_cache,
-        _clear_python_sharding_prop_cache,
-    )
-
-    cp = _cp_module()
-    dispatcher = DTensor._op_dispatcher
-    saved = (
-        dataclasses.replace(cp._cp_options),
-        cp._dispatch_mode,
-        dict(cp._replaced_functions),
-        dispatcher._custom_op_handlers,
-    )
-    try:
-        cp.set_rotate_method(rotate_method)
+    with torch_context_parallel.cp_globals(rotate_method):
         yield
-    finally:
-        options, cp._dispatch_mode, replaced, dispatcher._custom_op_handlers = saved
-        for f in dataclasses.fields(options):
-            setattr(cp._cp_options, f.name, getattr(options, f.name))
-        cp._replaced_functions.clear()
-        cp._replaced_functions.update(replaced)
-        _clear_python_sharding_prop_cache()
-        _clear_fast_path_sharding_prop_cache()
 
 
 class ContextParallelStep:
