@@ -80,3 +80,17 @@ def untracked_propagation_patches(run_untracked: Callable[[Callable[[], Any]], A
             "the active fake mode (and caches it per process)",
         )
     ]
+
+
+def clear_caches() -> None:
+    """torch 2.13 DTensor caches sharding decisions keyed by DeviceMesh, whose equality ignores the process groups:
+    after one world is destroyed, the next world's equal-looking mesh would get specs naming the old, dead groups
+    ("Could not resolve the process group registered under the name ..."). The world clears them on entry and
+    exit (``_sharding_prop.py``, ``_redistribute.py``, ``debug/__init__.py``)."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python LRU cache and the C++ fast path's
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    clear_redistribute_planner_cache()
