@@ -359,3 +359,181 @@ def test_checker_finds_an_upward_import(tmp_path):
         ("pkg.low", "pkg.high"),
         ("pkg.mid.special", "pkg.mid.other"),
     ]
+
+
+# ---------------------------------------------------------------- what depends on a library's version: compat/ only
+
+LIBRARIES = ("torch", "torchtitan", "transformers")
+"""The libraries whose internals a dry run patches and whose releases it follows (docs/TORCH_VERSIONS.md)."""
+REGISTRATIONS = {"impl", "define", "py_impl", "register_op_strategy", "register_prop_rule", "register_fake"}
+REGISTRATIONS |= {
+    "register_kernel",
+    "register_autocast",
+    "register_sharding",
+    "custom_op",
+    "fallthrough_kernel",
+}
+"""Calls that register kernels or rules with a library's dispatcher (torch.library, DTensor's strategies, HOPs)."""
+VERSION_READERS = {
+    "release",
+    "installed_version",
+    "torch_version",
+    "torchtitan_version",
+    "version",
+    "Version",
+}
+"""Functions that read a library's version (compat.versions' and importlib.metadata's, packaging's parse)."""
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` for a chain of attributes on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _bindings(tree: ast.AST) -> dict[str, str]:
+    """Every name an import binds anywhere in the file -> what it names (``F`` -> ``torch.nn.functional``)."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                names[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def _resolve_name(expr: ast.AST, names: dict[str, str]) -> str | None:
+    dotted = _dotted(expr)
+    if dotted is None:
+        return None
+    head, _, rest = dotted.partition(".")
+    full = names.get(head, head)
+    return f"{full}.{rest}" if rest else full
+
+
+def _library(full: str | None) -> bool:
+    return full is not None and full.split(".")[0] in LIBRARIES
+
+
+def version_dependent_code(path: Path, package: str) -> list[str]:
+    """``line: what`` for each place in ``path`` that patches a library, registers with its dispatcher or reads or
+    compares its version (what belongs in ``package.compat``).
+
+    - a call of :class:`hyperdryrun.patches.Patch` whose owner is not one of the package's own modules (a library
+      object, or one the scan cannot trace: a local variable);
+    - a call of ``torch.library.*``, or of a registration (``impl``, ``py_impl``, ``register_op_strategy`` ...) on
+      a library object;
+    - ``<library>.__version__`` or ``<library>.version.*`` read, ``importlib.metadata.version`` or
+      ``packaging.version`` called, or a comparison with what a version reader returns (``__version__``,
+      ``version_info``, a call of one of :data:`VERSION_READERS`). A version kept in a variable first and compared
+      later is not traced.
+    """
+    tree = ast.parse(path.read_text(), str(path))
+    names = _bindings(tree)
+    patch_names = {
+        n
+        for n, full in names.items()
+        if full in (f"{package}.patches.Patch", f"{package}.world.patches.Patch")
+    }
+    patch_modules = {
+        n for n, full in names.items() if full in (f"{package}.patches", f"{package}.world.patches")
+    }
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            callee = _resolve_name(node.func, names)
+            is_patch = (isinstance(node.func, ast.Name) and node.func.id in patch_names) or (
+                isinstance(node.func, ast.Attribute)
+                and node.func.attr == "Patch"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in patch_modules
+            )
+            if is_patch:
+                owner = (
+                    node.args[0]
+                    if node.args
+                    else next((k.value for k in node.keywords if k.arg == "owner"), None)
+                )
+                full = _resolve_name(owner, names) if owner is not None else None
+                if full is None or not full.startswith(f"{package}."):
+                    found.append(f"{node.lineno}: Patch of {ast.unparse(owner) if owner else '?'}")
+            elif callee is not None and callee.startswith("torch.library."):
+                found.append(f"{node.lineno}: {callee}")
+            elif isinstance(node.func, ast.Attribute) and node.func.attr in REGISTRATIONS:
+                root = _dotted(node.func.value)  # on a library object, or one the scan cannot trace
+                imported = root is not None and root.split(".")[0] in names
+                if not imported or _library(_resolve_name(node.func.value, names)):
+                    found.append(f"{node.lineno}: registration {ast.unparse(node.func)}")
+            elif callee in (
+                "importlib.metadata.version",
+                "packaging.version.parse",
+                "packaging.version.Version",
+            ):
+                found.append(f"{node.lineno}: {callee}")
+        elif isinstance(node, ast.Attribute):
+            full = _resolve_name(node, names)
+            if _library(full) and (
+                node.attr == "__version__" or full.split(".")[1:2] == ["version"] and full.count(".") > 1
+            ):
+                found.append(f"{node.lineno}: {full}")
+        elif isinstance(node, ast.Compare):
+            for part in ast.walk(node):
+                called = _resolve_name(part.func, names) if isinstance(part, ast.Call) else None
+                if (isinstance(part, ast.Attribute) and part.attr in ("__version__", "version_info")) or (
+                    called is not None and called.rsplit(".", 1)[-1] in VERSION_READERS
+                ):
+                    found.append(f"{node.lineno}: version comparison {ast.unparse(node)}")
+                    break
+    return sorted(set(found), key=lambda s: (int(s.split(":")[0]), s))
+
+
+def test_what_depends_on_a_library_version_is_in_compat():
+    """Patches of torch, torchtitan and transformers, dispatcher registrations and version reads or comparisons
+    live in hyperdryrun/compat/ (docs/TORCH_VERSIONS.md): the rest of the package asks that layer."""
+    found = {
+        name: hits
+        for name, path in module_files(SRC, PACKAGE).items()
+        if not name.startswith(f"{PACKAGE}.compat") and name != f"{PACKAGE}.patches"
+        for hits in [version_dependent_code(path, PACKAGE)]
+        if hits
+    }
+    assert found == {}
+
+
+def test_the_version_scan_finds_each_kind(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import torch\n"
+        "import torch.nn.functional as F\n"
+        "from torch.library import Library\n"
+        "from importlib import metadata\n"
+        "from pkg.patches import Patch\n"
+        "from pkg import patches, own\n"
+        "from pkg.compat.versions import release, torch_version\n"
+        "p1 = Patch(F, 'softmax', None, 'why')\n"  # 8: a torch module
+        "p2 = patches.Patch(owner=torch.Tensor, name='x', new=None, reason='why')\n"  # 9
+        "def f(mod):\n"
+        "    return Patch(mod, 'x', None, 'why')\n"  # 11: an owner the scan cannot trace
+        "p3 = Patch(own, 'x', None, 'why')\n"  # 12: the package's own module: allowed
+        "lib = torch.library.Library('aten', 'IMPL')\n"  # 13
+        "lib.impl('mm', None, 'AutocastCPU')\n"  # 14: on an object the scan cannot trace
+        "Library('aten', 'IMPL')\n"  # 15
+        "v = torch.__version__\n"  # 16
+        "c = torch.version.cuda\n"  # 17
+        "t = metadata.version('torchtitan')\n"  # 18: importlib.metadata.version
+        "if release(torch_version()) >= (2, 12):\n"  # 19
+        "    pass\n"
+        "ok = {'a': 1}.get('a') == 1\n"  # 21: no version
+    )
+    hits = version_dependent_code(path, "pkg")
+    assert [int(h.split(":")[0]) for h in hits] == [8, 9, 11, 13, 14, 15, 16, 17, 18, 19]
+    assert "Patch of F" in hits[0] and "version comparison" in hits[-1]

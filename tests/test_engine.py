@@ -177,8 +177,9 @@ def test_a_torch_without_strided_shard_flag_propagation_gets_no_speedup(monkeypa
     """torch 2.11 has no _propagate_use_strided_shard_flag: nothing to patch, so the world starts (on 2.11 the patch
     stopped every job with an AttributeError)."""
     from hyperdryrun import engine
+    from hyperdryrun.compat import torch_dtensor
 
-    monkeypatch.setattr(engine, "strided_shard_flag_propagation", lambda: None)
+    monkeypatch.setattr(torch_dtensor, "strided_shard_flag_propagation", lambda: None)
     assert engine.dtensor_speedups() == []
 
 

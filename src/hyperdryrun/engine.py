@@ -18,8 +18,7 @@ from typing import Any, TypedDict, Unpack
 import torch
 from torch import nn
 
-from hyperdryrun.compat.torch_dtensor import strided_shard_flag_propagation
-from hyperdryrun.compat.versions import require_supported_torch
+from hyperdryrun.compat import torch_dtensor, versions
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.trace.optimizer_state import describe, no_state_limitation, warm_up
@@ -51,38 +50,10 @@ class SimulationError(RuntimeError):
 
 
 def dtensor_speedups() -> list[Patch]:
-    """Patches that make torch's DTensor sharding propagation cheaper without changing any result (none where the
-    torch release lacks what they speed up: :func:`~hyperdryrun.compat.torch_dtensor.strided_shard_flag_propagation`)."""
-    sharding_prop = strided_shard_flag_propagation()
-    if sharding_prop is None:
-        return []
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    original = sharding_prop._propagate_use_strided_shard_flag
-    # The OpSchema seen last (held, so `is` cannot match a recycled id) and whether any input is _StridedShard.
-    last: list[Any] = [None, False]
-
-    def propagate_use_strided_shard_flag(op_strategy: Any, op_schema: Any) -> None:
-        if last[0] is not op_schema:
-            strided = any(
-                isinstance(p, _StridedShard) for spec in op_schema.args_spec for p in spec.placements
-            )
-            last[0], last[1] = op_schema, strided
-        if last[1]:
-            original(op_strategy, op_schema)
-
-    return [
-        Patch(
-            sharding_prop,
-            "_propagate_use_strided_shard_flag",
-            propagate_use_strided_shard_flag,
-            reason="torch 2.12+ ShardingPropagator.propagate_op_sharding_non_cached calls "
-            "_propagate_use_strided_shard_flag(child, op_schema) for every child of a foreach op's TupleStrategy, "
-            "and each call flattens the whole foreach schema: O(tensors^2) per foreach op on a cache miss (5.4 s "
-            "CPU of the first AdamW step of the Llama-3-8B FSDP8 job). With no _StridedShard among the inputs the "
-            "call is a no-op, and OpSchema is immutable, so that answer is computed once per schema.",
-        )
-    ]
+    """Patches that make torch's DTensor sharding propagation cheaper without changing any result
+    (:func:`hyperdryrun.compat.torch_dtensor.strided_shard_flag_patches`; none where the release lacks what they
+    speed up)."""
+    return torch_dtensor.strided_shard_flag_patches()
 
 
 def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -244,14 +215,14 @@ def simulate(
     The other keywords (:class:`PlanArgs`) are :class:`JobPlan`'s fields: ``world_size``, ``rank``, ``local_rank``,
     ``mesh_shape``, ``mesh_dim_names``, ``target_device`` (``"cuda"``), ``num_micro_batches``, ``metadata``.
     """
-    require_supported_torch()
+    versions.require_supported_torch()
     return simulate_plan(job_plan(model_fn, batch_fn, **plan), capture_stacks=capture_stacks)
 
 
 def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
     """Dry-run ``plan``: set up on fake tensors (:func:`prepare`), trace one step, return it with its metadata and
     limitations. A failure after the world is made is a :class:`SimulationError` naming the stage."""
-    require_supported_torch()  # the API refuses an unsupported torch as the command line does, before any work
+    versions.require_supported_torch()  # the API refuses an unsupported torch as the command line does, before any work
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     world = plan.world()
@@ -331,7 +302,7 @@ def run_metadata(world: SimulatedWorld, plan: JobPlan, optimizer: torch.optim.Op
         "mesh_dim_names": list(world.mesh_dim_names),
         "num_micro_batches": plan.num_micro_batches,
         "optimizer": describe(optimizer),
-        "torch_version": torch.__version__,
+        "torch_version": versions.torch_version(),
     }
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from hyperdryrun.compat.torch_pipelining import receive_buffer
-from hyperdryrun.compat.versions import installed_version
+from hyperdryrun.compat.versions import installed_version, torch_version
 from hyperdryrun.config import JobConfig
 from hyperdryrun.engine import JobPlan, StepTrace, micro_batch_step, simulate_plan
 from hyperdryrun.models.hf import is_hf_name
@@ -167,7 +167,7 @@ def job_metadata(cfg: JobConfig) -> dict:
         "model_args": args.to_dict(),
         "num_params": args.num_params(),
         "hyperdryrun_version": __version__,
-        "torch_version": torch.__version__,
+        "torch_version": torch_version(),
         # a Hugging Face model is transformers' code: its release is part of what was modelled
         **({"transformers_version": installed_version("transformers")} if is_hf_name(cfg.model.name) else {}),
         "dtype": t.dtype,

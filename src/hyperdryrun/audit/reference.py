@@ -20,6 +20,7 @@ from hyperdryrun.audit.backward import walk_backward
 from hyperdryrun.audit.diff import diff_layer
 from hyperdryrun.audit.layers import LAYERS
 from hyperdryrun.audit.recorder import OpRecorder, saved_tensors
+from hyperdryrun.compat.versions import torch_cuda_build, torch_version
 from hyperdryrun.world import SimulatedWorld, default_simulation_device
 from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET, cudnn_version_text, sm_text
 from hyperdryrun.world.kernels import target_kernel_patches
@@ -88,8 +89,8 @@ def record(device: str, backward: str, names: list[str] | None = None) -> dict[s
             layers[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
     return {
         "schema_version": SCHEMA_VERSION,
-        "torch_version": torch.__version__,
-        "cuda_build": torch.version.cuda,
+        "torch_version": torch_version(),
+        "cuda_build": torch_cuda_build(),
         "device": device,
         "backward": backward,
         "cuda_target": DEFAULT_CUDA_TARGET.as_dict(),

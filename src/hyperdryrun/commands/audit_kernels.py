@@ -119,20 +119,21 @@ def _check_layers(args: argparse.Namespace) -> str | None:
 
 
 def _simulated() -> str:
-    import torch
-
+    from hyperdryrun.compat.versions import torch_version
     from hyperdryrun.world import default_simulation_device
 
-    return f"torch {torch.__version__} on {default_simulation_device()}"
+    return f"torch {torch_version()} on {default_simulation_device()}"
 
 
 def _record(args: argparse.Namespace) -> int:
     import torch
 
+    from hyperdryrun.compat.versions import torch_version
+
     if not torch.backends.cuda.is_built():
         return fail(
             f"--record {args.record}: needs the CUDA wheel of torch (fake 'cuda' tensors, no GPU needed); "
-            f"this is torch {torch.__version__}"
+            f"this is torch {torch_version()}"
         )
     from hyperdryrun.audit import record
     from hyperdryrun.report.writer import atomic_write

@@ -5,9 +5,16 @@ Feature detection (``hasattr``, signatures) decides where it can; a version rang
 package asks these modules and does not branch on versions itself.
 
 - :mod:`~hyperdryrun.compat.versions`: the supported torch releases, the installed libraries' versions (no torch
-  import, so the CLI refuses an unsupported torch before any work)
-- :mod:`~hyperdryrun.compat.torch_dtensor`: DTensor's sharding propagation
-- :mod:`~hyperdryrun.compat.torch_pipelining`: the pipeline schedules' metadata vote and a stage's receive buffers
+  import, so the CLI refuses an unsupported torch before any work); the one reader of ``torch.__version__``
+- torch, by area: :mod:`~hyperdryrun.compat.torch_autocast`, :mod:`~hyperdryrun.compat.torch_compile`,
+  :mod:`~hyperdryrun.compat.torch_context_parallel`, :mod:`~hyperdryrun.compat.torch_cublas`,
+  :mod:`~hyperdryrun.compat.torch_dtensor`, :mod:`~hyperdryrun.compat.torch_flex`,
+  :mod:`~hyperdryrun.compat.torch_fsdp`, :mod:`~hyperdryrun.compat.torch_kernels`,
+  :mod:`~hyperdryrun.compat.torch_pipelining`, :mod:`~hyperdryrun.compat.torch_sdpa`,
+  :mod:`~hyperdryrun.compat.torch_storage`, :mod:`~hyperdryrun.compat.torch_streams`
+- :mod:`~hyperdryrun.compat.torchtitan` and :mod:`~hyperdryrun.compat.transformers`: those libraries' internals
 
-docs/TORCH_VERSIONS.md lists what differs between the supported releases.
+Every ``Patch`` of a library object is built here; callers pass their own bookkeeping in as callbacks (this layer
+imports only :mod:`hyperdryrun.patches` of the package). docs/TORCH_VERSIONS.md lists the modules and what differs
+between the supported releases.
 """

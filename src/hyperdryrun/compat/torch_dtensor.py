@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from hyperdryrun.patches import Patch
 
 
 def strided_shard_flag_propagation() -> Any | None:
@@ -18,3 +21,76 @@ def strided_shard_flag_propagation() -> Any | None:
     import torch.distributed.tensor._sharding_prop as sharding_prop
 
     return sharding_prop if hasattr(sharding_prop, "_propagate_use_strided_shard_flag") else None
+
+
+def strided_shard_flag_patches() -> list[Patch]:
+    """Patches that make DTensor's sharding propagation cheaper without changing any result: torch 2.12 and later
+    call ``_propagate_use_strided_shard_flag`` once per child of a foreach op's strategy (see the reason); none
+    where the release lacks it (:func:`strided_shard_flag_propagation`: torch 2.11)."""
+    sharding_prop = strided_shard_flag_propagation()
+    if sharding_prop is None:
+        return []
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    original = sharding_prop._propagate_use_strided_shard_flag
+    # The OpSchema seen last (held, so `is` cannot match a recycled id) and whether any input is _StridedShard.
+    last: list[Any] = [None, False]
+
+    def propagate_use_strided_shard_flag(op_strategy: Any, op_schema: Any) -> None:
+        if last[0] is not op_schema:
+            strided = any(
+                isinstance(p, _StridedShard) for spec in op_schema.args_spec for p in spec.placements
+            )
+            last[0], last[1] = op_schema, strided
+        if last[1]:
+            original(op_strategy, op_schema)
+
+    return [
+        Patch(
+            sharding_prop,
+            "_propagate_use_strided_shard_flag",
+            propagate_use_strided_shard_flag,
+            reason="torch 2.12+ ShardingPropagator.propagate_op_sharding_non_cached calls "
+            "_propagate_use_strided_shard_flag(child, op_schema) for every child of a foreach op's TupleStrategy, "
+            "and each call flattens the whole foreach schema: O(tensors^2) per foreach op on a cache miss (5.4 s "
+            "CPU of the first AdamW step of the Llama-3-8B FSDP8 job). With no _StridedShard among the inputs the "
+            "call is a no-op, and OpSchema is immutable, so that answer is computed once per schema.",
+        )
+    ]
+
+
+def untracked_propagation_patches(run_untracked: Callable[[Callable[[], Any]], Any]) -> list[Patch]:
+    """DTensor's sharding propagation (torch 2.11 to 2.14 ``ShardingPropagator._propagate_tensor_meta_non_cached``,
+    ``_sharding_prop.py``) runs each op once more on *global*-shape fake tensors, under the active fake mode, to
+    learn the output's metadata: not device allocations. ``run_untracked(call)`` runs it (the world pauses its
+    tracker)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    orig = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate_untracked(self: Any, op_schema: Any) -> Any:
+        return run_untracked(lambda: orig(self, op_schema))
+
+    return [
+        Patch(
+            ShardingPropagator,
+            "_propagate_tensor_meta_non_cached",
+            propagate_untracked,
+            "torch 2.13 DTensor runs sharding propagation's shape inference on global-shape fake tensors under "
+            "the active fake mode (and caches it per process)",
+        )
+    ]
+
+
+def clear_caches() -> None:
+    """torch 2.13 DTensor caches sharding decisions keyed by DeviceMesh, whose equality ignores the process groups:
+    after one world is destroyed, the next world's equal-looking mesh would get specs naming the old, dead groups
+    ("Could not resolve the process group registered under the name ..."). The world clears them on entry and
+    exit (``_sharding_prop.py``, ``_redistribute.py``, ``debug/__init__.py``)."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python LRU cache and the C++ fast path's
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    clear_redistribute_planner_cache()

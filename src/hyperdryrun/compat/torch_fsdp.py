@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from hyperdryrun.patches import Patch
+
 
 def accumulated_grad_copy() -> bool:
     """Whether FSDP2 accumulates a parameter's unsharded gradient in a copy of its own while gradient sync is off.
@@ -15,3 +20,36 @@ def accumulated_grad_copy() -> bool:
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
     return hasattr(FSDPParam, "to_accumulated_grad_if_needed")
+
+
+def accumulated_grad_patches(on_accumulated: Callable[[Any], None]) -> list[Patch]:
+    """``FSDPParam.to_accumulated_grad_if_needed`` that then calls ``on_accumulated(self)`` (the world labels
+    ``unsharded_accumulated_grad`` a gradient: no gradient hook sees that copy); none where the release has no such
+    copy (:func:`accumulated_grad_copy`: torch 2.15)."""
+    if not accumulated_grad_copy():
+        return []
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    orig = FSDPParam.to_accumulated_grad_if_needed
+
+    def to_accumulated_grad_if_needed(self: Any) -> None:
+        orig(self)
+        on_accumulated(self)
+
+    return [
+        Patch(
+            FSDPParam,
+            "to_accumulated_grad_if_needed",
+            to_accumulated_grad_if_needed,
+            "torch 2.13 FSDP2 accumulates unsharded gradients in a reduce_dtype copy that no gradient hook sees",
+        )
+    ]
+
+
+def spmd_types_supported() -> bool:
+    """Whether this torch's ``fully_shard`` takes spmd_types-annotated parameters (pytorch/pytorch#181519, after
+    torch 2.13.0): torchtitan 0.3.0's default ``spmd_backend="spmd_types"`` shards through it.
+    Feature detection: ``FSDPParam._spmd_types_to_dtensor`` (``_fsdp_param.py``)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return hasattr(FSDPParam, "_spmd_types_to_dtensor")

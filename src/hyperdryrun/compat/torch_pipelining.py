@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from hyperdryrun.patches import Patch
 
 
 def metadata_vote() -> bool:
@@ -10,8 +13,8 @@ def metadata_vote() -> bool:
 
     torch 2.12 and later: ``_PipelineSchedule._warmup_p2p`` (called from ``_initialize_stages``) has every stage vote
     on whether its metadata is static (``InferenceMode`` in ``torch/distributed/pipelining/_utils.py``) and reads
-    the outcome with ``.item()``, which fake tensors cannot answer (:func:`hyperdryrun.parallel.pipeline.
-    static_vote_patch` answers it). torch 2.11 has neither the vote nor ``InferenceMode``: a stage built with
+    the outcome with ``.item()``, which fake tensors cannot answer (:func:`static_vote_patch` answers
+    it). torch 2.11 has neither the vote nor ``InferenceMode``: a stage built with
     ``input_args``/``output_args`` uses them as they are (feature detection: ``hasattr``).
     """
     from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -43,3 +46,29 @@ def last_stage_outputs_unchecked(stage: Any) -> bool:
     (``_validate_fwd_outputs``), and has no ``_runtime_validate``: nothing is left to check.
     """
     return bool(getattr(stage, "_runtime_validate", False)) and stage.is_last
+
+
+def static_vote_patch(refusal: Callable[[Any], Exception]) -> Patch:
+    """``_PipelineSchedule._warmup_p2p`` that sets every stage's outcome to STATIC, raising ``refusal(stage)`` for a
+    stage whose metadata is incomplete instead of guessing.
+
+    torch 2.12 and later (``torch/distributed/pipelining/schedules.py``, ``InferenceMode`` in ``_utils.py``):
+    ``_warmup_p2p`` runs a P2P vote on whether every stage has static metadata and reads its outcome with
+    ``.item()``, a data-dependent read that fake tensors cannot answer. Only where :func:`metadata_vote` says the
+    release runs it (torch 2.11 has neither)."""
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    def warmup_static(self: Any, stages: list, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise refusal(stage)
+            stage._inference_mode = InferenceMode.STATIC
+
+    return Patch(
+        _PipelineSchedule,
+        "_warmup_p2p",
+        warmup_static,
+        "torch 2.12+ _PipelineSchedule._warmup_p2p reads the P2P metadata vote with .item(), data-dependent on "
+        "fake tensors (DataDependentOutputException)",
+    )

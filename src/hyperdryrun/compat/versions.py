@@ -34,6 +34,22 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
+def torch_version() -> str:
+    """The running torch's version string (``torch.__version__``, e.g. ``2.13.0+cpu``), what reports and messages
+    name: the one place outside this module's torch-free functions that reads it (imports torch)."""
+    import torch
+
+    return torch.__version__
+
+
+def torch_cuda_build() -> str | None:
+    """The CUDA version the running torch was built with (``torch.version.cuda``, e.g. ``13.0``), None for a CPU
+    build (imports torch)."""
+    import torch
+
+    return torch.version.cuda
+
+
 def release(version: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a version string such as ``2.13.0+cpu`` or ``2.15.0.dev20260101``; None if unreadable."""
     match = re.match(r"(\d+)\.(\d+)", version)

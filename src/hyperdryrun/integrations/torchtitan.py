@@ -20,21 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import io
 import logging
 import math
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Required, TypedDict, Unpack
 
 import torch
 from torch import nn
 
+from hyperdryrun.compat import torch_fsdp
+from hyperdryrun.compat import torchtitan as titan_compat
+from hyperdryrun.compat.torchtitan import TESTED_VERSION, torchtitan_version
+from hyperdryrun.compat.versions import torch_version
 from hyperdryrun.patches import Patch, PatchSet
-
-TESTED_VERSION = "0.3.0"
-"""The torchtitan release this integration is tested with (the ``hyperdryrun[torchtitan]`` extra pins it)."""
 
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """torch.distributed.pipelining schedules that run a stage's backward in two parts (input gradients, then weights)."""
@@ -44,16 +43,6 @@ SPMD_BACKEND_FLAGS = ("--parallelism.spmd_backend", "--parallelism.spmd-backend"
 
 class TorchtitanError(ValueError):
     """A torchtitan job the dry run cannot run as given; the message is one line naming the field."""
-
-
-def torchtitan_version() -> str | None:
-    """The installed torchtitan's version, or None when it is not installed."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("torchtitan")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def load_config(argv: Sequence[str]) -> Any:
@@ -95,11 +84,9 @@ def _tyro_message(text: str) -> str:
 
 
 def _spmd_types_fsdp_supported() -> bool:
-    """Whether this torch's ``fully_shard`` takes spmd_types-annotated parameters (pytorch/pytorch#181519, after
-    torch 2.13.0): torchtitan 0.3.0's default ``spmd_backend="spmd_types"`` shards through it."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
-    return hasattr(FSDPParam, "_spmd_types_to_dtensor")
+    """Whether this torch's ``fully_shard`` takes spmd_types-annotated parameters
+    (:func:`hyperdryrun.compat.torch_fsdp.spmd_types_supported`)."""
+    return torch_fsdp.spmd_types_supported()
 
 
 def _flag_given(argv: Sequence[str], names: Sequence[str]) -> bool:
@@ -107,114 +94,27 @@ def _flag_given(argv: Sequence[str], names: Sequence[str]) -> bool:
 
 
 def _device_patches(simulation_device: str) -> list[Patch]:
-    """torchtitan resolves its device type at import (``tools.utils.device_type``: ``"cuda"`` when no accelerator is
-    present) and modules copy it; in the simulated world the device is the simulation device."""
-    import torchtitan.tools.utils as titan_utils
-
-    resolved, resolved_module = titan_utils.device_type, titan_utils.device_module
-    if resolved == simulation_device:
-        return []
-    from torch._utils import _get_device_module
-
-    module = _get_device_module(simulation_device)
-    patches = []
-    for name, mod in sorted(sys.modules.items()):
-        if mod is None or not (name == "torchtitan" or name.startswith("torchtitan.")):
-            continue
-        if getattr(mod, "device_type", None) == resolved:
-            patches.append(
-                Patch(
-                    mod,
-                    "device_type",
-                    simulation_device,
-                    f"torchtitan {name}.device_type is {resolved!r} (resolved at import without an accelerator); "
-                    f"the simulated world's tensors are on {simulation_device!r}",
-                )
-            )
-        if getattr(mod, "device_module", None) is resolved_module:
-            patches.append(
-                Patch(mod, "device_module", module, f"torchtitan {name}.device_module follows device_type")
-            )
-    return patches
+    """torchtitan's device type follows the simulation device (:func:`hyperdryrun.compat.torchtitan.device_patches`)."""
+    return titan_compat.device_patches(simulation_device)
 
 
 def _titan_patches(real: bool = False) -> list[Patch]:
-    """What torchtitan needs on fake tensors (``real``: executed for real, its parameter initialisation runs)."""
-    import torchtitan.distributed.activation_checkpoint as titan_ac
-    import torchtitan.protocols.module as titan_module
-
-    def no_parameter_init(self: Any) -> None:
-        return None
-
-    def keep_lru_cache() -> None:
-        return None
-
-    no_init = [
-        Patch(
-            titan_module.Module,
-            "_init_self_parameters",
-            no_parameter_init,
-            "torchtitan's init_states initialises parameters with torch 2.13 nn.init.trunc_normal_, whose rejection "
-            "sampling reads values (if not mask.any()), which fake tensors lack; parameter values do not change "
-            "memory (buffers are still initialised)",
-        ),
-    ]
-    return [
-        *([] if real else no_init),
-        Patch(
-            titan_ac,
-            "_disable_dynamo_lru_cache",
-            keep_lru_cache,
-            "torchtitan's activation checkpointing turns off dynamo's C++ LRU cache of compiled graphs, a process "
-            "global with no getter to restore it; in a dry run compiled regions run eagerly, so it has no effect",
-        ),
-    ]
+    """What torchtitan needs on fake tensors (:func:`hyperdryrun.compat.torchtitan.fake_tensor_patches`)."""
+    return titan_compat.fake_tensor_patches(real)
 
 
 def _routing_patches() -> list[Patch]:
-    """torchtitan's expert-parallel all-to-all reads its split sizes from the routing (``.tolist()`` of token
-    counts per EP rank); on fake tensors they come from the routing rule (``moe.token_counts``: balanced unless
-    given), every EP rank routing its tokens alike."""
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
-
+    """torchtitan's expert-parallel all-to-all split sizes from the routing rule (``moe.token_counts``: balanced
+    unless given), every EP rank routing its tokens alike (:func:`hyperdryrun.compat.torchtitan.routing_patches`)."""
     from hyperdryrun.world.values import _current_module, active_rules
 
-    cls = AllToAllTokenDispatcher
-    reorder = cls._local_reorder
-
-    def local_reorder(self: Any, x_TD: Any, topk_scores_TK: Any, topk_expert_ids_TK: Any) -> Any:
-        self._hyperdryrun_tokens_topk = tuple(topk_expert_ids_TK.shape)
-        return reorder(self, x_TD, topk_scores_TK, topk_expert_ids_TK)
-
-    def sync_token_count_exchange(
-        self: Any,
-        num_local_tokens_per_expert_E: Any,
-        num_global_tokens_per_local_expert_EP_e: Any,
-        ep_size: int,
-    ) -> tuple[Any, list[int], list[int]]:
+    def token_counts() -> Any:
         rules = active_rules()
-        if rules is None:  # executed for real (measure): torchtitan's own exchange
-            return sync(self, num_local_tokens_per_expert_E, num_global_tokens_per_local_expert_EP_e, ep_size)
-        tokens, top_k = self._hyperdryrun_tokens_topk
-        experts = num_local_tokens_per_expert_E.shape[0]
-        counts = rules.token_counts(_current_module(), tokens, experts, top_k)
-        local = experts // ep_size
-        per_rank = [sum(counts[r * local : (r + 1) * local]) for r in range(ep_size)]
-        mine = per_rank[self.ep_mesh.get_local_rank()]
-        received = torch.ops._c10d_functional.wait_tensor(num_global_tokens_per_local_expert_EP_e)
-        return received.reshape(-1), per_rank, [mine] * ep_size
+        if rules is None:
+            return None
+        return lambda tokens, experts, top_k: rules.token_counts(_current_module(), tokens, experts, top_k)
 
-    sync = cls._sync_token_count_exchange
-    why = (
-        "torchtitan 0.3.0's AllToAllTokenDispatcher reads the all-to-all split sizes with .tolist() (a device-to-"
-        "host sync of routing counts), which fake tensors cannot answer"
-    )
-    return [
-        Patch(cls, "_local_reorder", local_reorder, f"{why}: records the tokens and top-k it routes"),
-        Patch(
-            cls, "_sync_token_count_exchange", sync_token_count_exchange, f"{why}: the routing rule's counts"
-        ),
-    ]
+    return titan_compat.routing_patches(token_counts)
 
 
 @contextlib.contextmanager
@@ -316,7 +216,7 @@ class TorchtitanJob:
         ):
             why = (
                 f"parallelism.spmd_backend='spmd_types' shards parameters through fully_shard support for "
-                f"spmd_types annotations (pytorch/pytorch#181519) that torch {torch.__version__} lacks"
+                f"spmd_types annotations (pytorch/pytorch#181519) that torch {torch_version()} lacks"
             )
             if _flag_given(self.argv, SPMD_BACKEND_FLAGS):
                 raise TorchtitanError(
@@ -440,7 +340,7 @@ class TorchtitanJob:
         if not _takes_micro_batches(cls):
             self.limitations.append(
                 f"torchtitan {TESTED_VERSION}'s pipeline train step calls the schedule's step with pre-split micro "
-                f"batches (arg_mbs=, kwarg_mbs=, target_mbs=), which torch {torch.__version__} lacks, so the job fails "
+                f"batches (arg_mbs=, kwarg_mbs=, target_mbs=), which torch {torch_version()} lacks, so the job fails "
                 "on this torch also on GPUs: the dry run gave them to the schedule's _step_microbatches as they are"
             )
 
@@ -521,7 +421,7 @@ class TorchtitanJob:
                 },
                 "mode": "dry-run",
                 "hyperdryrun_version": hyperdryrun_version,
-                "torch_version": torch.__version__,
+                "torch_version": torch_version(),
                 "dtype": t.dtype,
                 "mixed_precision": {
                     "param_dtype": t.mixed_precision_param,
@@ -670,14 +570,7 @@ class TorchtitanJob:
             built._runtime_validate = True  # a wrong static shape is an error, not a wrong peak
             return built
 
-        return Patch(
-            titan_pp,
-            "PipelineStage",
-            stage,
-            "torchtitan 0.3.0 builds PipelineStage without example shapes, so torch 2.13 infers them at the first "
-            "step by running each stage and exchanging the metadata over p2p with the neighbouring ranks, which one "
-            "process on a fake process group cannot do",
-        )
+        return titan_compat.pipeline_stage_patch(titan_pp, stage)
 
     def _tp_stage_placements(self, head: bool) -> dict[str, Any]:
         """What flows between stages under torchtitan's TP (``partial_dtensor``): the hidden state stays a DTensor
@@ -815,53 +708,15 @@ class TorchtitanJob:
 
 
 def _takes_micro_batches(cls: type) -> bool:
-    """Whether this torch's schedule ``cls.step`` takes pre-split micro batches (``arg_mbs=``, as torchtitan 0.3.0 calls
-    it); torch 2.13.0's splits one whole batch and takes other keywords as the model's."""
-    return "arg_mbs" in inspect.signature(cls.step).parameters
+    """Whether this torch's schedule ``cls.step`` takes pre-split micro batches
+    (:func:`hyperdryrun.compat.torchtitan.takes_micro_batches`)."""
+    return titan_compat.takes_micro_batches(cls)
 
 
 def _micro_batch_step_patch(schedule: Any) -> list[Patch]:
-    """torchtitan 0.3.0's pipeline train step on torch 2.13: ``step(arg_mbs=, kwarg_mbs=, target_mbs=)`` runs 2.13's
-    own ``step`` without its split, the micro batches going to its ``_step_microbatches`` as given."""
-    cls = type(schedule)
-    if _takes_micro_batches(cls):
-        return []
-    original = cls.step
-
-    def step(
-        self: Any, *args: Any, arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None, **kw: Any
-    ) -> Any:
-        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
-            return original(self, *args, **kw)
-        losses, return_outputs = kw.pop("losses", None), kw.pop("return_outputs", True)
-        loss_kwargs = kw.pop("loss_kwargs", None)
-        if args or kw:
-            raise TypeError(
-                f"a pipeline step with micro batches takes no whole-batch inputs (got {len(args)}, {sorted(kw)})"
-            )
-        stages = getattr(self, "_stages", None) or [self._stage]
-        for stage in stages:
-            stage.has_backward = self._has_backward
-            stage.clear_runtime_states()
-        self._step_microbatches(
-            arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
-        )
-        return (
-            None
-            if not return_outputs
-            else next((self._merge_outputs(s.output_chunks) for s in stages if s.is_last), None)
-        )
-
-    return [
-        Patch(
-            cls,
-            "step",
-            step,
-            f"torchtitan 0.3.0 calls {cls.__name__}.step(arg_mbs=, kwarg_mbs=, target_mbs=) with pre-split micro "
-            f"batches, which torch {torch.__version__} lacks: its step splits one whole batch and passes the other "
-            "keywords to the model (ValueError: Expecting n arg_mbs but got 1)",
-        )
-    ]
+    """torchtitan 0.3.0's pipeline train step on a torch whose ``step`` splits one whole batch
+    (:func:`hyperdryrun.compat.torchtitan.micro_batch_step_patches`)."""
+    return titan_compat.micro_batch_step_patches(schedule)
 
 
 def _initialised_later(model: nn.Module) -> None:
@@ -912,8 +767,9 @@ def torchtitan_job(
         args.get("attention"),
         real,
     )
-    if version != TESTED_VERSION:
-        job.limitations.append(f"torchtitan {version} is not the tested {TESTED_VERSION}")
+    untested = titan_compat.untested(version)
+    if untested is not None:
+        job.limitations.append(untested)
     device = "cpu" if real else default_simulation_device()
     with (
         _restored_torchtitan_globals(),

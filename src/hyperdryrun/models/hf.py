@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hyperdryrun.compat.transformers import one_sequence_per_row_patches
 from hyperdryrun.patches import Patch, PatchSet
 
 if TYPE_CHECKING:  # torch is imported where a model is built: the job config reads this module without it
@@ -376,18 +377,8 @@ def hf_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 
 
 def _one_sequence_per_row() -> list[Patch]:
-    from transformers import masking_utils
-
-    return [
-        Patch(
-            masking_utils,
-            "find_packed_sequence_indices",
-            lambda position_ids: None,
-            "transformers 5.x find_packed_sequence_indices cannot read fake position ids (is_tracing is true for a "
-            "FakeTensor) and reports packed sequences, so the causal mask is materialised; a real run finds one "
-            "sequence per row (the recipe's positions are 0..seq_len-1) and runs SDPA with is_causal and no mask",
-        )
-    ]
+    """One sequence per row on fake tokens (:func:`hyperdryrun.compat.transformers.one_sequence_per_row_patches`)."""
+    return one_sequence_per_row_patches()
 
 
 def hf_pipeline_cut(model: nn.Module, layers: range, embedding: bool, head: bool) -> None:

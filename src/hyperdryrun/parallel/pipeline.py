@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from hyperdryrun.compat import torch_pipelining
 from hyperdryrun.compat.torch_pipelining import last_stage_outputs_unchecked, metadata_vote, receive_buffer
 from hyperdryrun.parallel.fsdp import DTYPES, fsdp_enabled
+from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.trace.tracker import active_tracker
-from hyperdryrun.world.patches import Patch, PatchSet
 
 if TYPE_CHECKING:
     from hyperdryrun.config import JobConfig
@@ -298,27 +299,13 @@ def static_vote_patches() -> list[Patch]:
 
 
 def static_vote_patch() -> Patch:
-    """torch 2.12+ ``_PipelineSchedule._warmup_p2p`` runs a P2P vote on whether every stage has static metadata and
-    reads its outcome with ``.item()`` — a data-dependent read that fake tensors cannot answer. Every rank of the
-    simulated job gives complete static metadata (this module does), so the vote's outcome is known: STATIC. The
-    replacement sets it per stage, refusing a stage whose metadata is incomplete instead of guessing."""
-    from torch.distributed.pipelining._utils import InferenceMode
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
-
-    def warmup_static(self: Any, stages: list, has_backward: bool, p2p_done: bool) -> None:
-        for stage in stages:
-            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
-                raise PipelineError(
-                    f"stage {stage.stage_index} lacks static input/output metadata; a dry run cannot infer it"
-                )
-            stage._inference_mode = InferenceMode.STATIC
-
-    return Patch(
-        _PipelineSchedule,
-        "_warmup_p2p",
-        warmup_static,
-        "torch 2.12+ _PipelineSchedule._warmup_p2p reads the P2P metadata vote with .item(), data-dependent on "
-        "fake tensors (DataDependentOutputException)",
+    """The P2P metadata vote answered STATIC for every stage, a stage without complete static metadata refused
+    (:func:`hyperdryrun.compat.torch_pipelining.static_vote_patch`): every rank of the simulated job gives complete
+    static metadata (this module does), so the vote's outcome is known."""
+    return torch_pipelining.static_vote_patch(
+        lambda stage: PipelineError(
+            f"stage {stage.stage_index} lacks static input/output metadata; a dry run cannot infer it"
+        )
     )
 
 

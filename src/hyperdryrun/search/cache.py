@@ -36,9 +36,9 @@ def default_cache_dir() -> Path:
 
 
 def versions() -> dict[str, str]:
-    import torch
+    from hyperdryrun.compat.versions import torch_version
 
-    return {"hyperdryrun": __version__, "torch": torch.__version__}
+    return {"hyperdryrun": __version__, "torch": torch_version()}
 
 
 def job_key(cfg: JobConfig | dict[str, Any], kind: str, **extra: Any) -> str:

@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from hyperdryrun.compat import torch_storage
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import (
     ADDRESS_BASE,
@@ -184,10 +185,10 @@ class MemoryTracker:
         self.roles.remove()
 
     def _resize_patch(self) -> Patch:
-        orig = torch.UntypedStorage.resize_
+        """``UntypedStorage.resize_`` seen while tracking (:func:`hyperdryrun.compat.torch_storage.resize_patch`)."""
         tracker = self
 
-        def resize_(st: torch.UntypedStorage, size: int):
+        def resize_(orig: Any, st: torch.UntypedStorage, size: int) -> Any:
             if not tracker.active:
                 return orig(st, size)
             old = st.nbytes()
@@ -201,13 +202,7 @@ class MemoryTracker:
                     tracker._flush()
             return out
 
-        return Patch(
-            torch.UntypedStorage,
-            "resize_",
-            resize_,
-            reason="torch 2.13 UntypedStorage.resize_ (FSDP2's unshard/reshard: FSDPParam.alloc_storage and "
-            "free_storage) is a direct C++ call that never reaches a dispatch mode; wrapped for the tracked span.",
-        )
+        return torch_storage.resize_patch(resize_)
 
     # ----------------------------------------------------------------- phases and roles
     def phase(self) -> Phase:

@@ -4,7 +4,7 @@ Inductor and Triton kernels read and write tensors' data pointers, which fake te
 ``create_block_mask`` on fake tensors dies in a segmentation fault). :class:`CompiledCode` therefore puts the
 compiler in torch's ``force_eager`` stance for the whole simulation: every ``torch.compile`` region runs its Python
 code eagerly on the fake tensors. Regions torch has a fake path for are modelled as their compiled CUDA kernels
-(FlexAttention, :mod:`hyperdryrun.world.flex`); every other region entered is named in a limitation line, since its
+(FlexAttention, :mod:`hyperdryrun.compat.torch_flex`); every other region entered is named in a limitation line, since its
 eager temporaries and saved tensors stand in for Inductor's fused ones.
 
 It also registers, for the world's fake-mode subclass, the rule each higher-order operator has for
@@ -14,24 +14,21 @@ It also registers, for the world's fake-mode subclass, the rule each higher-orde
 from __future__ import annotations
 
 import contextlib
-import sys
-from collections.abc import Callable
-from types import CodeType
+from collections.abc import Callable, Iterator
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
 
-from hyperdryrun.world.patches import Patch, PatchSet
+from hyperdryrun.compat import torch_compile
+from hyperdryrun.compat.torch_compile import TORCH_INTERNAL_REGIONS
+from hyperdryrun.patches import Patch, PatchSet
 
 MODELLED_REGIONS = {
     "torch.nn.attention.flex_attention.create_block_mask": "create_block_mask",
     "torch.nn.attention.flex_attention.flex_attention": "flex_attention",
 }
-"""Compiled functions (module.qualname) modelled as their CUDA kernels for a CUDA target (hyperdryrun.world.flex)."""
-TORCH_INTERNAL_REGIONS = {
-    "torch.nn.attention.flex_attention.flex_attention.<locals>._flex_attention_hop_wrapper"
-}
-"""torch.compile calls torch makes itself (eager flex_attention compiles its HOP call with the eager backend)."""
+"""Compiled functions (module.qualname) modelled as their CUDA kernels for a CUDA target (hyperdryrun.compat.torch_flex)."""
 
 
 def region_name(fn: Any) -> str:
@@ -79,7 +76,7 @@ class CompiledCode:
             stack.enter_context(PatchSet([self._recording_patch(eval_frame)]))
             stack.enter_context(_hop_rules(self.mode_class))
             if self.models_flex:
-                from hyperdryrun.world.flex import flex_patches
+                from hyperdryrun.compat.torch_flex import flex_patches
 
                 stack.enter_context(PatchSet(flex_patches(self)))
         except BaseException:
@@ -93,27 +90,17 @@ class CompiledCode:
             stack.close()
 
     def _recording_patch(self, eval_frame: Any) -> Patch:
-        original = eval_frame._callback_from_stance
         regions, wrapper_codes = self.regions, self._wrapper_codes
 
-        def callback_from_stance(callback: Any) -> Any:
-            if callback not in (None, False):
-                # The caller is dynamo's compile wrapper; ``fn`` is the function it compiles (a free variable of
-                # the wrapper in torch 2.13, present in its frame's locals).
-                caller = sys._getframe(1)
-                wrapper_codes.add(caller.f_code)
-                name = region_name(caller.f_locals.get("fn"))
-                if name not in TORCH_INTERNAL_REGIONS:
-                    regions[name] = regions.get(name, 0) + 1
-            return original(callback)
+        def on_compiled_call(caller: FrameType) -> None:
+            # The caller is dynamo's compile wrapper; ``fn`` is the function it compiles (a free variable of the
+            # wrapper in torch 2.13, present in its frame's locals).
+            wrapper_codes.add(caller.f_code)
+            name = region_name(caller.f_locals.get("fn"))
+            if name not in TORCH_INTERNAL_REGIONS:
+                regions[name] = regions.get(name, 0) + 1
 
-        return Patch(
-            eval_frame,
-            "_callback_from_stance",
-            callback_from_stance,
-            reason="torch 2.13 compile wrappers ask _callback_from_stance for the frame callback on every call; "
-            "under force_eager it answers None (run eagerly). Wrapped to record which compiled regions ran eagerly.",
-        )
+        return torch_compile.stance_recording_patch(eval_frame, on_compiled_call)
 
     def called_compiled(self, frame: Any, code: CodeType) -> bool:
         """Whether the nearest frame running ``code`` above ``frame`` was called by a ``torch.compile`` wrapper
@@ -148,42 +135,11 @@ class CompiledCode:
         return out
 
 
-def _passes_through(hop: Any) -> Callable[..., Any]:
-    def rule(mode: Any, *args: Any, **kwargs: Any) -> Any:
-        return hop(
-            *args, **kwargs
-        )  # HigherOrderOperator.dispatch has popped ``mode``: the modes below run it
-
-    return rule
-
-
 @contextlib.contextmanager
-def _hop_rules(mode_class: type):
-    """Give ``mode_class`` every higher-order operator's ``FakeTensorMode`` rule, and let HOPs pass through the
-    value-rule mode (:class:`~hyperdryrun.world.values.ValueRuleMode`) to it; all removed again on exit.
-
-    torch 2.13 ``HigherOrderOperator.dispatch`` looks up ``python_key_table[type(mode)]`` for the active mode: a
-    FakeTensorMode subclass has no rule ("There was no rule registered for HigherOrderOperator flex_attention and
-    mode ..."), although FakeTensorMode's rule (``mode.__torch_dispatch__(hop, ...)``) is exactly what it needs.
-    """
-    from torch._ops import _higher_order_ops
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+def _hop_rules(mode_class: type) -> Iterator[None]:
+    """Every higher-order operator's ``FakeTensorMode`` rule for ``mode_class``, HOPs passing through the value-rule
+    mode (:class:`~hyperdryrun.world.values.ValueRuleMode`) to it (:func:`hyperdryrun.compat.torch_compile.hop_rules`)."""
     from hyperdryrun.world.values import ValueRuleMode
 
-    added: list[tuple[Any, type]] = []
-    try:
-        for hop in list(_higher_order_ops.values()):
-            rule = hop.python_key_table.get(FakeTensorMode)
-            if rule is None:
-                continue
-            for cls, new in ((mode_class, rule), (ValueRuleMode, _passes_through(hop))):
-                if cls is not FakeTensorMode and cls not in hop.python_key_table:
-                    hop.python_key_table[cls] = new
-                    added.append((hop, cls))
-            hop._dispatch_cache.clear()
+    with torch_compile.hop_rules(mode_class, ValueRuleMode):
         yield
-    finally:
-        for hop, cls in added:
-            hop.python_key_table.pop(cls, None)
-            hop._dispatch_cache.clear()

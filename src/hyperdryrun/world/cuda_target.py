@@ -9,7 +9,6 @@ machine can observe: the GPU (a :mod:`hyperdryrun.world.gpus` preset) and the cu
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from hyperdryrun.world.gpus import DEFAULT_GPU, GpuPreset, gpu_preset
@@ -83,12 +82,11 @@ class CudaTarget:
 
     @property
     def prefers_cudnn(self) -> bool:
-        """torch 2.13 ``check_prefer_cudnn_attention``: cuDNN SDPA goes first on sm90/sm10x with cuDNN > 9.15."""
-        if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").lower() in ("1", "true", "on", "yes", "y"):
-            return False
-        major, minor = self.sm
-        ok = self.cudnn > 91500 and major in (9, 10)
-        return ok if self.cuda >= 13000 else ok and minor in (0, 3)
+        """torch 2.13 ``check_prefer_cudnn_attention``: cuDNN SDPA goes first on sm90/sm10x with cuDNN > 9.15
+        (:func:`hyperdryrun.compat.torch_sdpa.prefers_cudnn`)."""
+        from hyperdryrun.compat.torch_sdpa import prefers_cudnn
+
+        return prefers_cudnn(self.sm, self.cudnn, self.cuda)
 
 
 DEFAULT_CUDA_TARGET = CudaTarget()

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hyperdryrun.compat.torch_fsdp import accumulated_grad_copy
+from hyperdryrun.compat import torch_fsdp
+from hyperdryrun.patches import Patch
 from hyperdryrun.trace.blocks import Category
-from hyperdryrun.world.patches import Patch
 
 
 def gradient_accumulation_buffers(tracker_of: Callable[[], Any]) -> list[Patch]:
@@ -15,25 +15,12 @@ def gradient_accumulation_buffers(tracker_of: Callable[[], Any]) -> list[Patch]:
     last micro batch), torch 2.13 FSDP2 keeps each parameter's unsharded gradient as
     ``FSDPParam.unsharded_accumulated_grad``, cast to ``reduce_dtype`` in ``to_accumulated_grad_if_needed``. No
     gradient hook fires for that copy, so without this it would be categorised as a backward temporary. None where
-    the release has no such copy (:func:`~hyperdryrun.compat.torch_fsdp.accumulated_grad_copy`)."""
-    if not accumulated_grad_copy():
-        return []
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    the release has no such copy (:func:`~hyperdryrun.compat.torch_fsdp.accumulated_grad_patches`)."""
 
-    orig = FSDPParam.to_accumulated_grad_if_needed
-
-    def to_accumulated_grad_if_needed(self: Any) -> None:
-        orig(self)
+    def label(fsdp_param: Any) -> None:
         tracker = tracker_of()
-        grad = self.unsharded_accumulated_grad
+        grad = fsdp_param.unsharded_accumulated_grad
         if tracker is not None and tracker.active and grad is not None:
             tracker.mark(grad, Category.GRADIENT)
 
-    return [
-        Patch(
-            FSDPParam,
-            "to_accumulated_grad_if_needed",
-            to_accumulated_grad_if_needed,
-            "torch 2.13 FSDP2 accumulates unsharded gradients in a reduce_dtype copy that no gradient hook sees",
-        )
-    ]
+    return torch_fsdp.accumulated_grad_patches(label)

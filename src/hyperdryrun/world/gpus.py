@@ -20,6 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hyperdryrun.compat.torch_cublas import (
+    HIPBLAS_WORKSPACE_GFX94,
+    HIPBLASLT_WORKSPACE,
+    cublas_workspace_bytes,
+)
+
 GiB = 2**30
 MiB = 2**20
 
@@ -27,29 +33,6 @@ NCCL_DEFAULT_BUFFSIZE = 1 << 22
 """``NCCL_BUFFSIZE`` unset: 4 MiB per channel, peer and direction for the Simple protocol (NVIDIA/nccl src/init.cc
 ``#define DEFAULT_BUFFSIZE (1 << 22) /* 4MiB */``, ``computeBuffSizes``; ROCm/rccl src/init.cc has the same default).
 Some NCCL versions take ``DEFAULT_BUFFSIZE_ARM`` (1 MiB) on an ARM host such as Grace: the host CPU is not modelled."""
-
-CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
-"""torch 2.13 ``parseChosenWorkspaceSize`` (aten/src/ATen/cuda/CublasHandlePool.cpp) without
-``CUBLAS_WORKSPACE_CONFIG``: ``:4096:2:16:8``, two 4 MiB and eight 16 KiB chunks = 8,519,680 bytes."""
-
-CUBLAS_WORKSPACE_HOPPER_BLACKWELL = 4096 * 8 * 1024
-"""The same function's 32 MiB default for compute capability major 9, 10 and 12 (Hopper and Blackwell):
-pytorch/pytorch#89027 set it for sm90, #175344 (February 2026) extended it to 10 and 12, and its revert #182669 was
-closed unmerged; torch 2.13 is later than both (it has #177912's ``torch.backends.cuda.cublas_workspace_size``)."""
-
-HIPBLAS_WORKSPACE_GFX94 = 1024 * 128 * 1024
-"""ROCm build, same function: 128 MiB on gfx94x/gfx95x (MI300X is gfx942), else 32 MiB."""
-
-HIPBLASLT_WORKSPACE = 76 * 1024 * 1024
-"""ROCm build, ``parseCUDABlasLtWorkspaceSize``: 76 MiB for hipBLASLt, a pool of its own on ROCm. On CUDA the
-cuBLASLt workspace reuses the cuBLAS allocation (``TORCH_CUBLASLT_UNIFIED_WORKSPACE``, on by default in open-source
-builds: torch 2.13 ``torch/backends/cuda/__init__.py``, ``blas_workspace_size``), so it adds nothing there."""
-
-
-def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
-    """The cuBLAS workspace torch 2.13 allocates per (handle, stream) on a CUDA GPU of ``compute_capability``."""
-    major = compute_capability[0]
-    return CUBLAS_WORKSPACE_HOPPER_BLACKWELL if major in (9, 10, 12) else CUBLAS_WORKSPACE_DEFAULT
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Where the CPU kernel of an op allocates or saves for backward differently from the CUDA kernel of the same op, the
 dry run follows CUDA: ``F.dropout``, ``F.rms_norm``, ``F.softmax``/``F.log_softmax`` and the optimizer default are
-rewritten as CUDA runs them, ``F.scaled_dot_product_attention`` by :mod:`hyperdryrun.world.sdpa` for a
+rewritten as CUDA runs them (:mod:`hyperdryrun.compat.torch_kernels`, which depends on the torch release),
+``F.scaled_dot_product_attention`` by :mod:`hyperdryrun.world.sdpa` for a
 :class:`~hyperdryrun.world.cuda_target.CudaTarget`, and :class:`TargetFakeTensorMode` returns the CUDA outputs of the
 ops in ``OUTPUT_FIXUPS``. Which differences exist, and where the audit finds them, is
 :data:`hyperdryrun.world.cuda_target.DIFFERENCES`.
@@ -11,118 +12,20 @@ ops in ``OUTPUT_FIXUPS``. Which differences exist, and where the audit finds the
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from hyperdryrun.compat import torch_kernels
+from hyperdryrun.compat.torch_kernels import (
+    OUTPUT_FIXUPS,
+    cuda_dropout,
+    cuda_log_softmax,
+    cuda_rms_norm,
+    cuda_softmax,
+)
+from hyperdryrun.patches import Patch
 from hyperdryrun.trace.tracker import TrackingFakeTensorMode
 from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET, DIFFERENCES, CudaTarget, KernelDifference
-from hyperdryrun.world.patches import Patch
 from hyperdryrun.world.sdpa import cuda_scaled_dot_product_attention, cuda_sdpa_backend, sdpa_for
-
-_aten = torch.ops.aten
-_orig_dropout = F.dropout
-_orig_softmax = F.softmax
-_orig_log_softmax = F.log_softmax
-_orig_rms_norm = F.rms_norm
-
-
-def cuda_dropout(input, p=0.5, training=True, inplace=False):
-    """``F.dropout`` as CUDA runs it: the fused ``native_dropout`` with a bool mask."""
-    if training and 0.0 < p < 1.0 and input.numel() > 0 and not inplace:
-        return torch.native_dropout(input, p, True)[0]
-    return _orig_dropout(input, p, training, inplace)
-
-
-def _half_to_float(x, dim, dtype) -> bool:
-    return (
-        isinstance(x, torch.Tensor)
-        and x.dtype == torch.float16
-        and dtype == torch.float32
-        and dim is not None
-    )
-
-
-def cuda_softmax(input, dim=None, _stacklevel=3, dtype=None):
-    """``F.softmax`` as CUDA runs it: fp16 input with ``dtype=float32`` uses ``_softmax(half_to_float=True)``."""
-    if _half_to_float(input, dim, dtype):
-        return _aten._softmax(input, dim, True)
-    return _orig_softmax(input, dim, _stacklevel, dtype)
-
-
-def cuda_log_softmax(input, dim=None, _stacklevel=3, dtype=None):
-    """``F.log_softmax`` as CUDA runs it (see :func:`cuda_softmax`)."""
-    if _half_to_float(input, dim, dtype):
-        return _aten._log_softmax(input, dim, True)
-    return _orig_log_softmax(input, dim, _stacklevel, dtype)
-
-
-class _FusedRMSNorm(torch.autograd.Function):
-    """``_fused_rms_norm`` with its CUDA autograd formula (derivatives.yaml: saves input, weight and rstd; backward
-    is one ``_fused_rms_norm_backward``); both ops run below autograd, so the fake mode sees them as single ops."""
-
-    @staticmethod
-    def forward(ctx, input, normalized_shape, weight, eps):
-        with torch._C._AutoDispatchBelowAutograd():
-            out, rstd = _aten._fused_rms_norm.default(input, normalized_shape, weight, eps)
-        ctx.normalized_shape = normalized_shape
-        ctx.has_weight = weight is not None
-        ctx.save_for_backward(input, weight, rstd)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        input, weight, rstd = ctx.saved_tensors
-        mask = [ctx.needs_input_grad[0], ctx.has_weight and ctx.needs_input_grad[2]]
-        with torch._C._AutoDispatchBelowAutograd():
-            gi, gw = _aten._fused_rms_norm_backward.default(
-                grad, input, ctx.normalized_shape, rstd, weight, mask
-            )
-        return gi, None, gw, None
-
-
-def _plain(*tensors) -> bool:
-    """Whether every tensor is a plain (fake) tensor, or a DTensor whose local shard is one: the CUDA kernel rules
-    hold for a DTensor's local tensors as for plain ones (on a GPU the DTensor's device type picks the kernel)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.distributed.tensor import DTensor
-
-    def plain(t) -> bool:
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        return type(t) in (torch.Tensor, torch.nn.Parameter, FakeTensor)
-
-    return all(t is None or plain(t) for t in tensors)
-
-
-def cuda_rms_norm(input, normalized_shape, weight=None, eps=None):
-    """``F.rms_norm`` as CUDA runs it: the fused kernel unless input is complex or the weight's dtype differs."""
-    if _plain(input, weight) and not input.is_complex() and (weight is None or weight.dtype == input.dtype):
-        return _FusedRMSNorm.apply(input, list(normalized_shape), weight, eps)
-    return _orig_rms_norm(input, normalized_shape, weight, eps)
-
-
-def _fp32_stats(args, kwargs, out):
-    """native_layer_norm: CUDA returns mean/rstd in the accumulate type (fp32 for fp16/bf16 input); the CPU kernel
-    (and torch._refs.native_layer_norm for CPU) returns them in the input dtype."""
-    result, mean, rstd = out
-    if mean.dtype in (torch.float16, torch.bfloat16):
-        mean = mean.new_empty(mean.shape, dtype=torch.float32)
-        rstd = rstd.new_empty(rstd.shape, dtype=torch.float32)
-    return result, mean, rstd
-
-
-def _empty_buffer(args, kwargs, out):
-    """log_sigmoid_forward: CUDA returns an empty buffer; CPU returns (and autograd saves) a full-size one."""
-    result, buffer = out
-    return result, buffer.new_empty((0,))
-
-
-OUTPUT_FIXUPS = {
-    _aten.native_layer_norm.default: _fp32_stats,
-    _aten.log_sigmoid_forward.default: _empty_buffer,
-}
-"""Ops whose CPU kernel returns different outputs than the CUDA kernel (found in the audit and in the device
-branches of torch 2.13's ``torch/_refs`` and ``torch/_decomp``): the simulation returns the CUDA outputs."""
 
 
 class TargetFakeTensorMode(TrackingFakeTensorMode):
@@ -147,15 +50,6 @@ class TargetFakeTensorMode(TrackingFakeTensorMode):
         return out
 
 
-def _foreach_devices(simulation_device: str):
-    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-
-    def devices() -> list[str]:
-        return [*_get_foreach_kernels_supported_devices(), simulation_device]
-
-    return devices
-
-
 def needs_target_kernels(target_device: str, simulation_device: str) -> bool:
     """Whether the simulation device's own kernel choice differs from the target's: always for a CUDA target
     simulated elsewhere, and for fake "cuda" on a build without a usable GPU (no device properties to choose by)."""
@@ -167,68 +61,16 @@ def needs_target_kernels(target_device: str, simulation_device: str) -> bool:
 def target_kernel_patches(
     target_device: str, simulation_device: str, cuda_target: CudaTarget = DEFAULT_CUDA_TARGET
 ) -> list[Patch]:
-    """Patches that make the simulation device follow the target device's kernels (``cuda_target``'s SDPA choice)."""
+    """Patches that make the simulation device follow the target device's kernels (``cuda_target``'s SDPA choice;
+    :func:`hyperdryrun.compat.torch_kernels.target_kernel_patches`)."""
     if target_device != "cuda":
         return []
-    import torch.distributed.tensor  # noqa: F401  (its import appends DTensor to _foreach_supported_types)
-    import torch.optim.optimizer as optim_module
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    patches = [
-        Patch(
-            optim_module,
-            "_foreach_supported_types",
-            [*optim_module._foreach_supported_types, FakeTensor],
-            "torch 2.13 _default_to_fused_or_foreach requires type(p) in (Tensor, Parameter); a fake parameter is a "
-            "FakeTensor, so optimizers left at their default would run the for-loop instead of CUDA's foreach",
-        )
-    ]
-    if not needs_target_kernels(target_device, simulation_device):
-        return patches
-    patches += [
-        Patch(
-            F,
-            "scaled_dot_product_attention",
-            sdpa_for(cuda_target),
-            "torch 2.13 picks the SDPA backend from the device: CPU -> _scaled_dot_product_flash_attention_for_cpu, "
-            "CUDA without a GPU -> math; a CUDA GPU picks by sdp_utils.cpp rules",
-        )
-    ]
-    if simulation_device != "cuda":
-        patches += [
-            Patch(
-                F,
-                "dropout",
-                cuda_dropout,
-                "torch 2.13 ATen dropout uses native_dropout only for CUDA/XPU tensors; CPU saves a dtype-sized mask",
-            ),
-            Patch(
-                F,
-                "rms_norm",
-                cuda_rms_norm,
-                "torch 2.13 rms_norm calls _fused_rms_norm, a CUDA kernel saving input and rstd; on CPU it is the "
-                "composite (fp32 copies of the input saved)",
-            ),
-            Patch(
-                F,
-                "softmax",
-                cuda_softmax,
-                "torch 2.13 SoftMax.cpp: half_to_float only for CUDA tensors; CPU copies fp16 input to fp32 first",
-            ),
-            Patch(
-                F,
-                "log_softmax",
-                cuda_log_softmax,
-                "torch 2.13 SoftMax.cpp: half_to_float only for CUDA tensors; CPU copies fp16 input to fp32 first",
-            ),
-            Patch(
-                optim_module,
-                "_get_foreach_kernels_supported_devices",
-                _foreach_devices(simulation_device),
-                "torch 2.13 optimizers default to foreach only on cuda/xpu/mtia tensors, for-loop on CPU",
-            ),
-        ]
-    return patches
+    return torch_kernels.target_kernel_patches(
+        target_device,
+        simulation_device,
+        sdpa_for(cuda_target),
+        needs_target_kernels(target_device, simulation_device),
+    )
 
 
 __all__ = [

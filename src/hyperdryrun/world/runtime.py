@@ -8,7 +8,7 @@ real runtime reads):
   stream) pair that runs a matmul; a handle belongs to a thread, and a training step runs matmuls on two threads,
   the Python thread (forward) and the autograd engine's device thread (backward, recompute). Size:
   ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT`` pairs, summed as ``parseChosenWorkspaceSize`` sums them), else
-  the GPU's default (:func:`hyperdryrun.world.gpus.cublas_workspace_bytes`). On CUDA the cuBLASLt workspace is
+  the GPU's default (:func:`hyperdryrun.compat.torch_cublas.cublas_workspace_bytes`). On CUDA the cuBLASLt workspace is
   the same allocation (``TORCH_CUBLASLT_UNIFIED_WORKSPACE``, on by default), so it adds nothing.
 - **NCCL buffers**, outside the allocator: NCCL allocates per communicator, per channel and per peer connection
   one buffer per protocol (NVIDIA/nccl src/init.cc ``computeBuffSizes``: Simple ``NCCL_BUFFSIZE``, default 4 MiB;
@@ -37,13 +37,13 @@ real runtime reads):
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hyperdryrun.allocator.options import ENV_VARS, AllocatorConfigError, AllocatorOptions
+from hyperdryrun.compat.torch_cublas import CUBLAS_ENV, cublas_config_bytes
 from hyperdryrun.world.cuda_target import CudaTarget
 from hyperdryrun.world.gpus import DEFAULT_GPU, GPU_PRESETS, MiB, cublas_workspace_bytes, gpu_preset
 
@@ -57,16 +57,7 @@ DEFAULT_NCCL_CHANNELS = 16
 DEFAULT_CONTEXT_MIB = 840.0
 """880,803,840 B: the CUDA context and the kernel modules of a training step, measured on an H200 after the step
 (see the module docstring)."""
-CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 NCCL_BUFFSIZE_ENV = "NCCL_BUFFSIZE"
-_CUBLAS_PAIR = re.compile(r":([0-9]+):([0-9]+)")
-
-
-def cublas_config_bytes(config: str) -> int | None:
-    """``parseChosenWorkspaceSize``: the sum of SIZE KiB x COUNT over ``:SIZE:COUNT`` pairs; None when none parse
-    (torch then warns and uses the default)."""
-    pairs = _CUBLAS_PAIR.findall(config)
-    return sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else None
 
 
 class CudaRuntime(BaseModel):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hyperdryrun.compat import torch_dtensor
 from hyperdryrun.trace.blocks import ALIGNMENT
 from hyperdryrun.trace.tracker import MemoryTracker, TrackingFakeTensorMode
 from hyperdryrun.world.autocast import CudaAutocast
@@ -103,8 +104,8 @@ class SimulatedWorld:
         self._stack = stack
         try:
             stack.callback(_restore_globals, _save_globals())
-            _clear_dtensor_caches()
-            stack.callback(_clear_dtensor_caches)
+            torch_dtensor.clear_caches()
+            stack.callback(torch_dtensor.clear_caches)
             from torch.testing._internal.distributed.fake_pg import FakeStore
 
             dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
@@ -179,19 +180,6 @@ class SimulatedWorld:
             )
         out += self.compiled.limitations if self.compiled is not None else []
         return out
-
-
-def _clear_dtensor_caches() -> None:
-    """torch 2.13 DTensor caches sharding decisions keyed by DeviceMesh, whose equality ignores the process groups:
-    after one world is destroyed, the next world's equal-looking mesh would get specs naming the old, dead groups
-    ("Could not resolve the process group registered under the name ...")."""
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()  # the Python LRU cache and the C++ fast path's
-    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
-    clear_redistribute_planner_cache()
 
 
 def _save_globals() -> dict[str, Any]:

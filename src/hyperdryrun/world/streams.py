@@ -28,17 +28,12 @@ from typing import Any
 
 import torch
 
+from hyperdryrun.compat import torch_streams
+from hyperdryrun.compat.torch_streams import FSDP_STREAMS
+from hyperdryrun.patches import Patch
 from hyperdryrun.trace.blocks import COMPUTE_STREAM
-from hyperdryrun.world.patches import Patch
 
 COMPUTE_STREAM_NAME = "compute"
-FSDP_STREAMS = (
-    ("all_gather_copy_in_stream", "fsdp all-gather copy-in"),
-    ("all_gather_stream", "fsdp all-gather"),
-    ("reduce_scatter_stream", "fsdp reduce-scatter"),
-    ("all_reduce_stream", "fsdp all-reduce"),
-)
-"""``FSDPCommContext`` attributes holding its streams, and the names the report gives them, in id order."""
 
 
 def _key(stream: Any) -> Any:
@@ -82,48 +77,24 @@ class StreamRegistry:
 
 
 def fsdp_stream_patches(registry: StreamRegistry) -> list[Patch]:
-    """Name FSDP2's communication streams when each FSDP root creates them."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPCommContext
-
-    orig = FSDPCommContext.lazy_init
-
-    def lazy_init(self: Any, device: torch.device) -> None:
-        orig(self, device)
-        for attr, name in FSDP_STREAMS:
-            stream = getattr(self, attr, None)
-            if stream is not None:
-                registry.register(stream, name)
-
-    return [
-        Patch(
-            FSDPCommContext,
-            "lazy_init",
-            lazy_init,
-            "torch 2.13 FSDP2 creates its all-gather copy-in, all-gather, reduce-scatter and all-reduce streams in "
-            "FSDPCommContext.lazy_init; their names are recorded so each block's allocation stream is named",
-        )
-    ]
+    """Name FSDP2's communication streams when each FSDP root creates them
+    (:func:`hyperdryrun.compat.torch_streams.fsdp_stream_patches`)."""
+    return torch_streams.fsdp_stream_patches(registry.register)
 
 
 def record_stream_patch(registry: StreamRegistry, tracker_of: Callable[[], Any]) -> Patch:
     """While a tracker records, ``Tensor.record_stream`` records the stream on the tensor's block instead of
-    calling the kernel; otherwise (a measured run on a real device) it is torch's own."""
-    orig = torch.Tensor.record_stream
+    calling the kernel; otherwise (a measured run on a real device) it is torch's own
+    (:func:`hyperdryrun.compat.torch_streams.record_stream_patch`)."""
 
-    def record_stream(self: torch.Tensor, stream: Any) -> None:
+    def record(tensor: torch.Tensor, stream: Any) -> bool:
         tracker = tracker_of()
         if tracker is None or not tracker.active:
-            return orig(self, stream)
-        tracker.record_stream(self, registry.id_of(stream))
+            return False
+        tracker.record_stream(tensor, registry.id_of(stream))
+        return True
 
-    return Patch(
-        torch.Tensor,
-        "record_stream",
-        record_stream,
-        "torch 2.13 Tensor.record_stream on a fake CPU tensor with a torch.cpu.Stream raises 'unknown parameter "
-        "type'; on CUDA it makes the caching allocator hold the block until the stream's uses finish, which the "
-        "block's use_streams records instead",
-    )
+    return torch_streams.record_stream_patch(record)
 
 
 __all__ = ["FSDP_STREAMS", "StreamRegistry", "fsdp_stream_patches", "record_stream_patch"]

@@ -32,7 +32,7 @@ import torch.nn.attention.flex_attention as flex_module
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop
 from torch._higher_order_ops.flex_attention import flex_attention_backward as flex_attention_backward_hop
 
-from hyperdryrun.world.patches import Patch
+from hyperdryrun.patches import Patch
 
 CREATE_BLOCK_MASK_OP = "create_block_mask"
 
