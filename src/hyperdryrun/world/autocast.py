@@ -18,8 +18,11 @@ autocast"), and the AutocastCUDA dispatch key never fires on "cpu" tensors anywa
   (fp32 and lower_precision_fp) applied first, as the dispatcher would.
 
 Casts happen at the autocast key, above autograd, so autograd saves the cast tensors exactly as on CUDA.
-A ``torch.autocast("cpu")`` region inside a CUDA-target world enables the same key and so gets CUDA's lists (on a GPU
-it would not touch CUDA tensors).
+A ``torch.autocast("cpu", ...)`` region inside a CUDA-target world simulated on "cpu" is a CUDA region: the simulated
+tensors stand for CUDA tensors, so code that opens its region for its tensors' device (torchtitan's MoE router:
+``torch.autocast(x.device.type, dtype=torch.float32)``) gets CUDA's semantics, where CPU autocast would refuse fp32
+("CPU Autocast only supports dtypes of torch.bfloat16, torch.float16") and run the region without autocast. A region
+hard-coded to "cpu" in a GPU job (which on a GPU would not touch CUDA tensors) is simulated as CUDA's too.
 """
 
 from __future__ import annotations
@@ -385,9 +388,12 @@ def autocast_patches(rules: CastRules, bf16_supported: bool = True) -> list[Patc
     clear = torch.clear_autocast_cache
 
     def __init__(self, device_type: str, dtype=None, enabled: bool = True, cache_enabled=None) -> None:
-        if device_type != "cuda" or torch._jit_internal.is_scripting():
+        if device_type not in ("cuda", rules.device) or torch._jit_internal.is_scripting():
             init(self, device_type, dtype, enabled, cache_enabled)
             return
+        # A region for the simulation device's type (code that asks its tensors, torch.autocast(x.device.type,
+        # ...)) is the region a GPU opens for its CUDA tensors: CPU autocast would refuse fp32 and disable itself.
+        device_type = "cuda"
         # enabled=False skips exactly the CUDA-only checks (availability, which would disable it with a warning,
         # and bf16 support, checked here against the target GPU); the rest is set as torch sets it.
         init(self, device_type, dtype, False, cache_enabled)
@@ -420,7 +426,8 @@ def autocast_patches(rules: CastRules, bf16_supported: bool = True) -> list[Patc
     why = (
         "torch 2.13 autocast.__init__ disables autocast('cuda') with a warning when CUDA is not available, and the "
         "AutocastCUDA key never fires on the simulation's 'cpu' tensors: the region runs on AutocastCPU, whose "
-        "kernels are CUDA's lists while the world lasts"
+        "kernels are CUDA's lists while the world lasts; a region for the simulation device's type is CUDA's "
+        "(CPU autocast refuses an fp32 dtype and disables itself)"
     )
     patches = [
         Patch(cls, "__init__", __init__, why),
