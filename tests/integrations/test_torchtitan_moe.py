@@ -18,7 +18,12 @@ argument.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +47,7 @@ from tests.integrations.test_torchtitan_measure import (  # noqa: E402
     live,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # each job runs two real steps (about 30 s)
 
 WORLD, EP, N_LAYERS, BATCH, SEQ = 2, 2, 2, 2, 64
@@ -181,3 +187,36 @@ def test_a_module_that_routed_differently_per_call_cannot_be_given_one_count_lis
 
     with pytest.raises(TorchtitanError, match="routed 2 different ways"):
         measured_routing(Trace())
+
+
+def test_the_command_dry_runs_with_the_routing_of_a_measured_report(measured_and_dry, tmp_path):
+    argv, measured, routing, dry = measured_and_dry
+    if "deepseek_v3" not in argv:
+        pytest.skip("one family is enough for the command line")
+    from hyperdryrun.report import blocks_csv, build_report, write_reports
+
+    [report_path] = [
+        p
+        for p in write_reports(build_report(measured), blocks_csv(measured), tmp_path / "measured", 0)
+        if str(p).endswith(".json")
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "hyperdryrun.cli", "torchtitan", *argv]
+        + [f"--world-size={WORLD}", "--rank=0", f"--n-layers={N_LAYERS}", "--attention=sdpa"]
+        + ["--target-device=cpu", "--no-stacks", "--quiet", f"--routing-from={report_path}"]
+        + ["--output-dir", str(tmp_path / "dry")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "dry" / "rank_0" / "rank_0_memory.json").read_text())
+    assert report["summary"]["peak_bytes"] == dry.peak
+    given = [x for x in report["limitations"] if x.startswith("MoE routing:")]
+    assert len(given) == 1 and "the given per-expert counts for layers.1.moe.routed_experts" in given[0]
+    assert routing == {
+        "layers.1.moe.routed_experts": measured.metadata["torchtitan"]["routing"][
+            "layers.1.moe.routed_experts"
+        ][0]
+    }

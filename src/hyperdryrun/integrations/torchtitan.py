@@ -395,6 +395,7 @@ class TorchtitanJob:
             )
         if self.attention is not None:
             self._use_attention(model_config)
+        self._moe_limitations(dims, model_config)
         if config.compile.enable_async_tensor_parallel and dims.tp_enabled:
             self.limitations.append(
                 "compile.enable_async_tensor_parallel: async TP is Inductor's micro-pipeline pass over compiled "
@@ -468,6 +469,24 @@ class TorchtitanJob:
                 f"batches (arg_mbs=, kwarg_mbs=, target_mbs=), which torch {torch.__version__} lacks, so the job fails "
                 "on this torch also on GPUs: the dry run gave them to the schedule's _step_microbatches as they are"
             )
+
+    def _moe_limitations(self, dims: Any, model_config: Any) -> None:
+        """What the routing of a MoE model's dry run is (stated in the report): on a GPU only expert parallelism's
+        all-to-all and the tensors it sizes depend on it; without EP every routed tensor has tokens x top_k rows."""
+        moe = [layer.moe for layer in model_config.layers if getattr(layer, "moe", None) is not None]
+        if not moe or self.real or dims.ep == 1:
+            return
+        given = sorted(self.routing or {})
+        how = (
+            f"the given per-expert counts for {', '.join(given)} (routing=), balanced for any other"
+            if given
+            else "balanced (every expert gets tokens x top_k / experts; measure_torchtitan records a step's real "
+            "counts, measured_routing passes them)"
+        )
+        self.limitations.append(
+            f"MoE routing: the expert-parallel all-to-all's split sizes and the grouped GEMMs' rows come from the "
+            f"routing rule (moe.token_counts): {how}; every EP rank routes its tokens alike"
+        )
 
     def _use_attention(self, model_config: Any) -> None:
         """Every layer's inner attention as ``--attention`` asks (only ``sdpa``: torchtitan's maskless
@@ -1016,6 +1035,34 @@ def measured_routing(trace: Any) -> dict[str, list[int]]:
             )
         out[name] = list(calls[0])
     return out
+
+
+def routing_from_report(path: str) -> dict[str, list[int]]:
+    """The measured MoE routing in a ``--measure`` report (``rank_<r>_memory.json``) as the dry run's ``routing=``
+    (``--routing-from``); a file that is not one is a :class:`TorchtitanError` naming the flag and the path."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    try:
+        metadata = json.loads(Path(path).read_text())["metadata"]
+        record = metadata["torchtitan"]["routing"] if metadata.get("mode") == "measured" else None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise TorchtitanError(
+            f"--routing-from: not a readable report ({type(err).__name__}: {err}) (got {path!r})"
+        ) from None
+    valid = isinstance(record, dict) and all(
+        isinstance(calls, list)
+        and calls
+        and all(isinstance(c, list) and all(type(n) is int and n >= 0 for n in c) for c in calls)
+        for calls in record.values()
+    )
+    if not record or not valid:
+        raise TorchtitanError(
+            "--routing-from: the report holds no measured MoE routing (metadata.torchtitan.routing of a --measure "
+            f"report of a MoE job) (got {path!r})"
+        )
+    return measured_routing(SimpleNamespace(metadata={"torchtitan": {"routing": record}}))
 
 
 def infer_world_size(argv: Sequence[str]) -> int | None:
