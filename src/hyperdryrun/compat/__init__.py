@@ -8,6 +8,8 @@ package asks these modules and does not branch on versions itself.
   import, so the CLI refuses an unsupported torch before any work)
 - :mod:`~hyperdryrun.compat.torch_dtensor`: DTensor's sharding propagation
 - :mod:`~hyperdryrun.compat.torch_pipelining`: the pipeline schedules' metadata vote and a stage's receive buffers
+- :mod:`~hyperdryrun.compat.torchtitan_moe`: torchtitan's MoE layers executed for real on the fake process group
+  (the routing record, the EP count exchange)
 
 docs/TORCH_VERSIONS.md lists what differs between the supported releases.
 """
