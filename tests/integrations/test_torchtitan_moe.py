@@ -220,3 +220,13 @@ def test_the_command_dry_runs_with_the_routing_of_a_measured_report(measured_and
             "layers.1.moe.routed_experts"
         ][0]
     }
+
+
+def test_the_dispatcher_is_torchtitans_own_again(measured_and_dry):
+    """Both runs patched AllToAllTokenDispatcher (the dry run its value points, the measured run its count
+    exchange): torchtitan's own methods are back after each."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    for name in ("_token_count_exchange", "_sync_token_count_exchange", "_local_reorder"):
+        fn = getattr(AllToAllTokenDispatcher, name)
+        assert fn.__module__ == "torchtitan.models.common.token_dispatcher", (name, fn.__module__)

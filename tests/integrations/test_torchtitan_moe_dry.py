@@ -85,3 +85,19 @@ def test_routing_from_a_file_that_is_no_measured_moe_report_is_a_one_line_error(
         and lines[0].startswith("hyperdryrun: error: --routing-from: ")
         and str(bad) in lines[0]
     )
+
+
+def test_gpt_oss_runs_its_varlen_attention_on_a_cuda_target_with_one_document_per_row():
+    """torchtitan's VarlenAttention builds its metadata with nonzero(positions[b] == 0) per row; the synthetic
+    batches hold one document per row. varlen_attn's outputs: bf16 (tokens, heads, head_dim) and fp32 LSE
+    (heads, tokens)."""
+    argv = [
+        *("--module", "gpt_oss", "--config", "gpt_oss_debugmodel"),
+        *("--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH)),
+    ]
+    attention = load_config(argv).model_spec.model.layers[0].attention
+    assert type(attention.inner_attention).__qualname__ == "VarlenAttention.Config"
+    trace = simulate_torchtitan(argv, world_size=1, n_layers=1, capture_stacks=False)
+    made = {b.size for b in trace.blocks if b.op == "_varlen_attn" and str(b.phase) == "forward"}
+    heads, head_dim = attention.n_heads, attention.head_dim
+    assert {TOKENS * heads * head_dim * 2, heads * TOKENS * 4} <= made

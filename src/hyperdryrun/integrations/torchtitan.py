@@ -832,6 +832,9 @@ class TorchtitanJob:
         rules = ValueRules(
             [
                 ValueRule(module="", op="aten._local_scalar_dense.default", handler="value", value=tokens),
+                # VarlenAttention's metadata (create_varlen_metadata_for_document) finds each row's document
+                # starts with nonzero(positions[b] == 0): the synthetic batches hold one document per row
+                ValueRule(module="", op="aten.nonzero.default", handler="size", value=1),
                 *given,
                 ValueRule(module="*", op=ROUTING_OP, handler="balanced"),
             ]
