@@ -84,6 +84,12 @@ def register(subparsers: Any) -> None:
         type=float,
         help=f"verdict margin in percent of the capacity (default: {100 * DEVICE_ERROR_FRACTION:g})",
     )
+    p.add_argument(
+        "--routing-from",
+        metavar="REPORT",
+        help="MoE: route as the measured step of REPORT did (a --measure run's rank_<r>_memory.json: each "
+        "routed-experts module's per-expert token counts, given to the expert-parallel dispatch; default: balanced)",
+    )
     p.add_argument("--output-dir", default=_DEFAULTS["output_dir"].default, help="where rank_<r>/ goes")
     p.add_argument(
         "--in-process", action="store_true", help="run in this process, not a child (no crash guard)"
@@ -127,7 +133,12 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
     """One rank of a torchtitan job: simulate, write its reports (or its error report); returns ``report``,
     ``paths`` and a one-line ``error`` (None when it ran). Module level, so that a spawned child can run it."""
     from hyperdryrun.engine import SimulationError
-    from hyperdryrun.integrations.torchtitan import TorchtitanError, infer_world_size, simulate_torchtitan
+    from hyperdryrun.integrations.torchtitan import (
+        TorchtitanError,
+        infer_world_size,
+        routing_from_report,
+        simulate_torchtitan,
+    )
     from hyperdryrun.measure.step import MeasureError
     from hyperdryrun.measure.torchtitan import measure_torchtitan
     from hyperdryrun.report import blocks_csv, build_report, error_report, write_error_report, write_reports
@@ -154,6 +165,13 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
             "capture_stacks": options["capture_stacks"],
             "attention": options.get("attention"),
         }
+        if options.get("routing_from"):
+            if options.get("measure"):
+                raise TorchtitanError(
+                    f"--routing-from: a measured step routes as its router decides (got {options['routing_from']!r} "
+                    "with --measure)"
+                )
+            job["routing"] = routing_from_report(options["routing_from"])
         if options.get("measure"):
             trace = measure_torchtitan(options["argv"], **job)
             if options["target_device"] != "cpu":
@@ -220,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
         **identity,
         "n_layers": args.n_layers,
         "attention": args.attention,
+        "routing_from": args.routing_from,
         "measure": args.measure,
         "target_device": args.target_device,
         "device_memory_gib": args.device_memory_gib,

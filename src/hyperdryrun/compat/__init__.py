@@ -12,6 +12,8 @@ package asks these modules and does not branch on versions itself.
   :mod:`~hyperdryrun.compat.torch_fsdp`, :mod:`~hyperdryrun.compat.torch_kernels`,
   :mod:`~hyperdryrun.compat.torch_pipelining`, :mod:`~hyperdryrun.compat.torch_sdpa`,
   :mod:`~hyperdryrun.compat.torch_storage`, :mod:`~hyperdryrun.compat.torch_streams`
+- :mod:`~hyperdryrun.compat.torchtitan_moe`: torchtitan's MoE layers executed for real on the fake process group
+  (the routing record, the EP count exchange)
 - :mod:`~hyperdryrun.compat.torchtitan` and :mod:`~hyperdryrun.compat.transformers`: those libraries' internals
 
 Every ``Patch`` of a library object is built here; callers pass their own bookkeeping in as callbacks (this layer

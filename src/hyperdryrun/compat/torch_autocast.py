@@ -210,9 +210,12 @@ def autocast_patches(
     clear = torch.clear_autocast_cache
 
     def __init__(self, device_type: str, dtype=None, enabled: bool = True, cache_enabled=None) -> None:
-        if device_type != "cuda" or torch._jit_internal.is_scripting():
+        if device_type not in ("cuda", rules.device) or torch._jit_internal.is_scripting():
             init(self, device_type, dtype, enabled, cache_enabled)
             return
+        # A region for the simulation device's type (code that asks its tensors, torch.autocast(x.device.type,
+        # ...)) is the region a GPU opens for its CUDA tensors: CPU autocast would refuse fp32 and disable itself.
+        device_type = "cuda"
         # enabled=False skips exactly the CUDA-only checks (availability, which would disable it with a warning,
         # and bf16 support, checked here against the target GPU); the rest is set as torch sets it.
         init(self, device_type, dtype, False, cache_enabled)
@@ -245,7 +248,8 @@ def autocast_patches(
     why = (
         "torch 2.13 autocast.__init__ disables autocast('cuda') with a warning when CUDA is not available, and the "
         "AutocastCUDA key never fires on the simulation's 'cpu' tensors: the region runs on AutocastCPU, whose "
-        "kernels are CUDA's lists while the world lasts"
+        "kernels are CUDA's lists while the world lasts; a region for the simulation device's type is CUDA's "
+        "(CPU autocast refuses an fp32 dtype and disables itself)"
     )
     patches = [
         Patch(cls, "__init__", __init__, why),

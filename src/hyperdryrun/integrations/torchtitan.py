@@ -67,9 +67,31 @@ def load_config(argv: Sequence[str]) -> Any:
         why = _tyro_message(printed.getvalue()) or f"exit {err.code}"
         raise TorchtitanError(f"torchtitan rejected the arguments {' '.join(argv)!r}: {why}") from None
     except (ValueError, ImportError, AttributeError) as err:
-        raise TorchtitanError(f"--module/--config: {err}") from None
+        missing = _missing_dependency(argv) if isinstance(err, ImportError) else None
+        raise TorchtitanError(f"--module/--config: {missing or err}") from None
     finally:
         titan_logger.setLevel(level)
+
+
+def _missing_dependency(argv: Sequence[str]) -> str | None:
+    """Why torchtitan's ``--module`` config registry did not import, when a package it needs is not installed:
+    torchtitan 0.3.0's ConfigManager swallows the ImportError ("Cannot import config_registry for module ...").
+    E.g. qwen3_5 needs ``fla`` (flash-linear-attention, Triton kernels), kimi_k2_7 ``torchvision``."""
+    import importlib
+
+    names = [a.split("=", 1)[1] for a in argv if a.startswith("--module=")]
+    names += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--module"]
+    if not names or not names[-1].replace("_", "").isalnum():
+        return None
+    module = names[-1]
+    try:
+        importlib.import_module(f"torchtitan.models.{module}.config_registry")
+    except ModuleNotFoundError as err:
+        if err.name and not err.name.startswith("torchtitan"):
+            return f"torchtitan's {module!r} models import {err.name!r}, which is not installed (got --module {module})"
+    except Exception:  # noqa: BLE001  (any other failure: torchtitan's own message stands)
+        return None
+    return None
 
 
 def _tyro_message(text: str) -> str:
@@ -178,6 +200,9 @@ class TorchtitanJob:
     """``"sdpa"``: every layer's inner attention becomes torchtitan's ScaledDotProductAttention (None: as configured)."""
     real: bool = False
     """Executed for real (``measure``): no value rules, parameters initialised by torchtitan itself."""
+    routing: dict[str, list[int]] | None = None
+    """MoE routing of the dry run: per-expert token counts by routed-experts module FQN (e.g. a measured run's,
+    :func:`measured_routing`); modules not named route balanced."""
     config: Any = None
     limitations: list[str] = dataclasses.field(default_factory=list)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -270,6 +295,7 @@ class TorchtitanJob:
             )
         if self.attention is not None:
             self._use_attention(model_config)
+        self._moe_limitations(dims, model_config)
         if config.compile.enable_async_tensor_parallel and dims.tp_enabled:
             self.limitations.append(
                 "compile.enable_async_tensor_parallel: async TP is Inductor's micro-pipeline pass over compiled "
@@ -344,6 +370,24 @@ class TorchtitanJob:
                 "on this torch also on GPUs: the dry run gave them to the schedule's _step_microbatches as they are"
             )
 
+    def _moe_limitations(self, dims: Any, model_config: Any) -> None:
+        """What the routing of a MoE model's dry run is (stated in the report): on a GPU only expert parallelism's
+        all-to-all and the tensors it sizes depend on it; without EP every routed tensor has tokens x top_k rows."""
+        moe = [layer.moe for layer in model_config.layers if getattr(layer, "moe", None) is not None]
+        if not moe or self.real or dims.ep == 1:
+            return
+        given = sorted(self.routing or {})
+        how = (
+            f"the given per-expert counts for {', '.join(given)} (routing=), balanced for any other"
+            if given
+            else "balanced (every expert gets tokens x top_k / experts; measure_torchtitan records a step's real "
+            "counts, measured_routing passes them)"
+        )
+        self.limitations.append(
+            f"MoE routing: the expert-parallel all-to-all's split sizes and the grouped GEMMs' rows come from the "
+            f"routing rule (moe.token_counts): {how}; every EP rank routes its tokens alike"
+        )
+
     def _use_attention(self, model_config: Any) -> None:
         """Every layer's inner attention as ``--attention`` asks (only ``sdpa``: torchtitan's maskless
         ScaledDotProductAttention, ``is_causal``), e.g. to run a step on the CPU, where FlexAttention has no
@@ -352,13 +396,20 @@ class TorchtitanJob:
 
         if self.attention != "sdpa":
             raise TorchtitanError(f"--attention: must be 'sdpa' (got {self.attention!r})")
-        replaced = set()
+        replaced, sinks = set(), False
         for layer in model_config.layers:
             attention = getattr(layer, "attention", None)
             inner = getattr(attention, "inner_attention", None)
             if inner is not None and not isinstance(inner, ScaledDotProductAttention.Config):
                 replaced.add(type(inner).__qualname__.removesuffix(".Config"))
                 attention.inner_attention = ScaledDotProductAttention.Config()
+                sinks |= type(attention).__module__.startswith("torchtitan.models.gpt_oss")
+        if sinks:
+            self.limitations.append(
+                "--attention sdpa: gpt_oss's attention sinks and sliding windows are not applied (torchtitan's "
+                "ScaledDotProductAttention takes the sink rescale, out_transform, and ignores it): the sinks get no "
+                "gradient, and the rescale's activations are not counted"
+            )
         if replaced:
             self.limitations.append(
                 f"--attention sdpa: torchtitan's {', '.join(sorted(replaced))} replaced by its "
@@ -667,14 +718,23 @@ class TorchtitanJob:
         trainer.fwd_bwd_fn = body if t.disable_cuda_graphs else wrap_with_cuda_graph(body)
         # train_step logs int(local_valid_tokens); with synthetic batches every label is valid.
         tokens = t.local_batch_size * t.seq_len * self.gradient_accumulation_steps
+        given = [
+            ValueRule(module=name, op=ROUTING_OP, handler="explicit", counts=list(counts))
+            for name, counts in sorted((self.routing or {}).items())
+        ]
         rules = ValueRules(
             [
                 ValueRule(module="", op="aten._local_scalar_dense.default", handler="value", value=tokens),
+                # VarlenAttention's metadata (create_varlen_metadata_for_document) finds each row's document
+                # starts with nonzero(positions[b] == 0): the synthetic batches hold one document per row
+                ValueRule(module="", op="aten.nonzero.default", handler="size", value=1),
+                *given,
                 ValueRule(module="*", op=ROUTING_OP, handler="balanced"),
             ]
         )
+        record: dict[str, list[list[int]]] = {}
         with (
-            contextlib.nullcontext() if self.real else use_rules(rules, root=model),
+            self._recorded_routing(record) if self.real else use_rules(rules, root=model),
             PatchSet(
                 []
                 if self.pp_schedule is None
@@ -682,6 +742,24 @@ class TorchtitanJob:
             ),
         ):
             Trainer.train_step(trainer, batches)
+        if self.real and record:  # the step last run (after the warm-up: the measured one)
+            self.metadata["torchtitan"]["routing"] = record
+
+    def _recorded_routing(self, record: dict[str, list[list[int]]]) -> Any:
+        """Measured runs: the per-expert token counts of every call of each routed-experts module of this rank's
+        model parts (by FQN as the dry run's tracker names modules)."""
+        from hyperdryrun.compat.torchtitan_moe import recorded_routing, routed_experts_class
+        from hyperdryrun.trace.tensors import clean_fqn
+
+        cls = routed_experts_class()
+        parts = self.model_parts if len(self.model_parts) == 1 else [self.model]
+        modules = {
+            clean_fqn(name): m
+            for part in parts
+            for name, m in part.named_modules()
+            if cls is not None and isinstance(m, cls)
+        }
+        return recorded_routing(modules, record)
 
     def plan(self) -> Any:
         """This job as an :class:`~hyperdryrun.engine.JobPlan` (after :meth:`prepare`): the one set-up that the dry
@@ -734,6 +812,7 @@ class JobArgs(TypedDict, total=False):
     n_layers: int | None
     target_device: str
     attention: str | None
+    routing: dict[str, list[int]] | None
 
 
 @contextlib.contextmanager
@@ -743,6 +822,7 @@ def torchtitan_job(
     """A prepared :class:`TorchtitanJob` for rank ``rank`` of ``world_size``, inside the patches and restored
     globals that torchtitan needs on this machine (``real``: executed for real, parameters initialised by
     torchtitan). Bad input raises :class:`TorchtitanError`."""
+    from hyperdryrun.compat.torchtitan_moe import defined_count_exchange
     from hyperdryrun.world import default_simulation_device
 
     world_size, rank = args["world_size"], args.get("rank", 0)
@@ -766,6 +846,7 @@ def torchtitan_job(
         args.get("target_device", "cuda"),
         args.get("attention"),
         real,
+        args.get("routing"),
     )
     untested = titan_compat.untested(version)
     if untested is not None:
@@ -773,7 +854,11 @@ def torchtitan_job(
     device = "cpu" if real else default_simulation_device()
     with (
         _restored_torchtitan_globals(),
-        PatchSet(_device_patches(device) + _titan_patches(real) + ([] if real else _routing_patches())),
+        PatchSet(
+            _device_patches(device)
+            + _titan_patches(real)
+            + (defined_count_exchange() if real else _routing_patches())
+        ),
     ):
         job.prepare()
         yield job
@@ -791,6 +876,52 @@ def simulate_torchtitan(
         trace = simulate_plan(job.plan(), capture_stacks=capture_stacks)
     trace.limitations = [*trace.limitations, *job.limitations]
     return trace
+
+
+def measured_routing(trace: Any) -> dict[str, list[int]]:
+    """The MoE routing of a measured torchtitan step (``measure_torchtitan``'s trace) as the dry run's ``routing=``:
+    per routed-experts module, the per-expert token counts its calls had (one list: its forward and any
+    activation-checkpoint recompute route the same tokens). A module whose calls routed differently (several
+    micro batches) cannot be given one list: :class:`TorchtitanError`."""
+    record = trace.metadata.get("torchtitan", {}).get("routing") or {}
+    out = {}
+    for name, calls in sorted(record.items()):
+        distinct = {tuple(c) for c in calls}
+        if len(distinct) != 1:
+            raise TorchtitanError(
+                f"routing: module {name!r} routed {len(distinct)} different ways in the measured step (one per "
+                "micro batch); the dry run's routing rule gives one count list per module"
+            )
+        out[name] = list(calls[0])
+    return out
+
+
+def routing_from_report(path: str) -> dict[str, list[int]]:
+    """The measured MoE routing in a ``--measure`` report (``rank_<r>_memory.json``) as the dry run's ``routing=``
+    (``--routing-from``); a file that is not one is a :class:`TorchtitanError` naming the flag and the path."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    try:
+        metadata = json.loads(Path(path).read_text())["metadata"]
+        record = metadata["torchtitan"]["routing"] if metadata.get("mode") == "measured" else None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise TorchtitanError(
+            f"--routing-from: not a readable report ({type(err).__name__}: {err}) (got {path!r})"
+        ) from None
+    valid = isinstance(record, dict) and all(
+        isinstance(calls, list)
+        and calls
+        and all(isinstance(c, list) and all(type(n) is int and n >= 0 for n in c) for c in calls)
+        for calls in record.values()
+    )
+    if not record or not valid:
+        raise TorchtitanError(
+            "--routing-from: the report holds no measured MoE routing (metadata.torchtitan.routing of a --measure "
+            f"report of a MoE job) (got {path!r})"
+        )
+    return measured_routing(SimpleNamespace(metadata={"torchtitan": {"routing": record}}))
 
 
 def infer_world_size(argv: Sequence[str]) -> int | None:

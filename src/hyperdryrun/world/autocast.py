@@ -19,8 +19,11 @@ autocast"), and the AutocastCUDA dispatch key never fires on "cpu" tensors anywa
   (fp32 and lower_precision_fp) applied first, as the dispatcher would.
 
 Casts happen at the autocast key, above autograd, so autograd saves the cast tensors exactly as on CUDA.
-A ``torch.autocast("cpu")`` region inside a CUDA-target world enables the same key and so gets CUDA's lists (on a GPU
-it would not touch CUDA tensors).
+A ``torch.autocast("cpu", ...)`` region inside a CUDA-target world simulated on "cpu" is a CUDA region: the simulated
+tensors stand for CUDA tensors, so code that opens its region for its tensors' device (torchtitan's MoE router:
+``torch.autocast(x.device.type, dtype=torch.float32)``) gets CUDA's semantics, where CPU autocast would refuse fp32
+("CPU Autocast only supports dtypes of torch.bfloat16, torch.float16") and run the region without autocast. A region
+hard-coded to "cpu" in a GPU job (which on a GPU would not touch CUDA tensors) is simulated as CUDA's too.
 """
 
 from __future__ import annotations
