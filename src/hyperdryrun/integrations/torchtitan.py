@@ -24,6 +24,7 @@ import inspect
 import io
 import logging
 import math
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Required, TypedDict, Unpack
@@ -402,18 +403,18 @@ class TorchtitanJob:
 
         p = self.config.parallelism
         refused = [
-            (self.real, "--parallelism.pipeline_parallel_degree", "measure runs no pipeline-parallel job"),
-            (
-                bool(p.pipeline_parallel_schedule_csv),
-                "--parallelism.pipeline_parallel_schedule_csv",
-                "not run",
-            ),
             (
                 p.pipeline_parallel_schedule not in PIPELINE_SCHEDULES,
                 "--parallelism.pipeline_parallel_schedule",
                 f"must be one of {', '.join(PIPELINE_SCHEDULES)}",
             ),
         ]
+        csv = p.pipeline_parallel_schedule_csv
+        if csv and not os.path.isfile(csv):  # torchtitan's FileNotFoundError, one line before any work
+            raise TorchtitanError(
+                "parallelism.pipeline_parallel_schedule_csv (--parallelism.pipeline_parallel_schedule_csv): "
+                f"no such file (got {csv!r})"
+            )
         split = p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
         if split and isinstance(self.config.activation_checkpoint, SelectiveAC.Config):
             raise TorchtitanError(
@@ -552,6 +553,9 @@ class TorchtitanJob:
             return None
         return {
             "schedule": self.config.parallelism.pipeline_parallel_schedule,
+            # torchtitan runs a schedule CSV with torch's _PipelineScheduleRuntime (its _load_csv lowers the
+            # compute actions to sends and receives); the schedule above still sets the stages per rank
+            "schedule_csv": self.config.parallelism.pipeline_parallel_schedule_csv or None,
             "num_micro_batches": self.pp_microbatches,
             "fsdp_reshard_after_forward": self.config.parallelism.fsdp_reshard_after_forward,
         }
@@ -811,7 +815,15 @@ class TorchtitanJob:
             target_device=self.target_device,
             num_micro_batches=self.gradient_accumulation_steps * self.pp_microbatches,
             metadata=self.metadata,
+            held_fn=self._held_buffers,
         )
+
+    def _held_buffers(self) -> Iterator[Any]:
+        """The pipeline stages' receive buffers, which the warm-up step of a measured run made and the step keeps
+        (the built-in recipe's, :func:`~hyperdryrun.recipe.pipeline_held_buffers`)."""
+        from hyperdryrun.recipe import pipeline_held_buffers
+
+        return pipeline_held_buffers(self.pp_schedule)
 
 
 def _takes_micro_batches(cls: type) -> bool:
