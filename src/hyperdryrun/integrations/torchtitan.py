@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import inspect
 import io
+import json
 import logging
 import math
 import os
@@ -32,6 +33,7 @@ from typing import Any, Required, TypedDict, Unpack
 import torch
 from torch import nn
 
+from hyperdryrun.config import ConfigError
 from hyperdryrun.patches import Patch, PatchSet
 
 TESTED_VERSION = "0.3.0"
@@ -43,8 +45,9 @@ SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV
 SPMD_BACKEND_FLAGS = ("--parallelism.spmd_backend", "--parallelism.spmd-backend")
 
 
-class TorchtitanError(ValueError):
-    """A torchtitan job the dry run cannot run as given; the message is one line naming the field."""
+class TorchtitanError(ConfigError):
+    """A torchtitan job the dry run cannot run as given; the message is one line naming the field (bad input, as
+    a :class:`~hyperdryrun.config.ConfigError`, also for the runner's workers)."""
 
 
 def torchtitan_version() -> str | None:
@@ -961,3 +964,108 @@ def infer_world_size(argv: Sequence[str]) -> int | None:
         p.pipeline_parallel_degree,
     ]
     return None if any(d < 1 for d in degrees) else math.prod(degrees)
+
+
+# ------------------------------------------------------------------------------------------------- many ranks
+LAYOUT_FLAGS = {
+    "dp_replicate": "--parallelism.data_parallel_replicate_degree",
+    "dp_shard": "--parallelism.data_parallel_shard_degree",
+    "tp": "--parallelism.tensor_parallel_degree",
+    "pp": "--parallelism.pipeline_parallel_degree",
+    "cp": "--parallelism.context_parallel_degree",
+    "ep": "--parallelism.expert_parallel_degree",
+}
+"""The torchtitan flag of each parallel degree (``--fit`` sets them; the last of a repeated flag wins)."""
+
+
+def with_layout(argv: Sequence[str], layout: dict[str, int]) -> list[str]:
+    """``argv`` with the degrees of ``layout`` appended (torchtitan's config parser takes the last value given)."""
+    return [*argv, *(x for name, degree in layout.items() for x in (LAYOUT_FLAGS[name], str(degree)))]
+
+
+def rank_classes(argv: Sequence[str], world_size: int, n_layers: int | None = None) -> list[dict[str, Any]]:
+    """The rank classes of a torchtitan job over ``world_size`` ranks, ``[{"ranks", "key", "what"}]`` in order of
+    their lowest rank: ranks that run the same step (the rules of :mod:`hyperdryrun.search.classes`) share a class.
+
+    torchtitan's mesh is laid out as the recipe's (``pp, dp_replicate, dp_shard, cp, tp``, row-major), so
+    :meth:`~hyperdryrun.parallel.dims.ParallelDims.coordinates` places each rank. The pipeline stage and the
+    context-parallel position always set ranks apart; the data-parallel replica never does; ``dp_shard`` and ``tp``
+    positions only where a parameter of the model (built on meta) splits unevenly over TP and FSDP (``torch.chunk``
+    leaves the last ranks smaller shards), or with EP (its token routing and expert shards, kept apart whole).
+    Bad input raises :class:`TorchtitanError`."""
+    from hyperdryrun.parallel.dims import ParallelDims
+
+    with torchtitan_job(argv, world_size=world_size, n_layers=n_layers) as job:
+        degrees = job.metadata["parallel"]
+        with torch.device("meta"):
+            shapes = [tuple(p.shape) for p in job.build_model().parameters()]
+    tp, fsdp = degrees["tp"], degrees["dp_shard"] * degrees["cp"]
+    # TP splits one dim of a parameter, FSDP2 dim 0 of the TP-local tensor: even when every dim divides by tp and
+    # dim 0 by tp * fsdp (n % (tp * f) == 0 makes both n and n / tp divide by f)
+    even = all(
+        all(n % tp == 0 for n in shape) and (not shape or shape[0] % (tp * fsdp) == 0) for shape in shapes
+    )
+    dims = ParallelDims(
+        world_size,
+        degrees["dp_replicate"],
+        degrees["dp_shard"],
+        degrees["cp"],
+        tp,
+        degrees["pp"],
+        degrees["ep"],
+    )
+    groups: dict[str, dict[str, Any]] = {}
+    for rank in range(world_size):
+        c = dims.coordinates(rank)
+        key = {"pp": c.pp, "cp": c.cp}
+        if not even or degrees["ep"] > 1:
+            key.update(dp_shard=c.dp_shard, tp=c.tp)
+        name = json.dumps(key, sort_keys=True)
+        group = groups.setdefault(name, {"ranks": [], "key": key})
+        group["ranks"].append(rank)
+    for group in groups.values():
+        group["what"] = ", ".join(f"{k} {v}" for k, v in group["key"].items())
+    return list(groups.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchtitanExecute:
+    """How the runner runs a rank of a torchtitan job: ``execute(cfg, capture_stacks=...) -> StepTrace`` (module
+    level and picklable, so a worker process runs it). ``cfg`` carries the rank, the target device and the
+    capacity; torchtitan's command line and the command's own job options travel here."""
+
+    argv: tuple[str, ...]
+    n_layers: int | None = None
+    attention: str | None = None
+    measure: bool = False
+
+    def __call__(self, cfg: Any, capture_stacks: bool = True) -> Any:
+        from hyperdryrun.engine import SimulationError
+
+        world = cfg.world
+        job = JobArgs(
+            world_size=world.world_size,
+            rank=world.rank,
+            local_rank=world.local_rank,
+            n_layers=self.n_layers,
+            attention=self.attention,
+        )
+        try:
+            if self.measure:
+                from hyperdryrun.measure.torchtitan import measure_torchtitan
+
+                return measure_torchtitan(self.argv, capture_stacks=capture_stacks, **job)
+            return simulate_torchtitan(
+                self.argv, capture_stacks=capture_stacks, target_device=cfg.target_device, **job
+            )
+        except TorchtitanError as err:  # bad input: the runner reports it as such, in one line
+            raise SimulationError("config", err) from err
+
+    def job_metadata(self, cfg: Any) -> dict[str, Any]:
+        """What a report (an error report too) says about the job: torchtitan's command line."""
+        return {
+            "mode": "measured" if self.measure else "dry-run",
+            "rank": cfg.world.rank,
+            "world_size": cfg.world.world_size,
+            "torchtitan": {"argv": list(self.argv)},
+        }
