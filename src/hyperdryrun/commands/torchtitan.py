@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION, Margin
@@ -362,7 +363,6 @@ def _config(
 
 
 def _run(args: argparse.Namespace, cfg: JobConfig, ranks: list[int], argv: list[str]) -> list[Any]:
-    from hyperdryrun.integrations.torchtitan import TorchtitanExecute
     from hyperdryrun.runner import run_ranks
 
     execute = TorchtitanExecute(tuple(argv), args.n_layers, args.attention, args.measure)
@@ -411,3 +411,47 @@ def _fit(args: argparse.Namespace, identity: dict[str, int | None], size: int) -
 
     title = f"torchtitan {' '.join(argv)}: {len(chosen)} layouts of {size} ranks"
     return fit_layouts(title, chosen, classes, run_layout, args.quiet, args.debug, order="searched")
+
+
+@dataclass(frozen=True)
+class TorchtitanExecute:
+    """How the runner runs a rank of a torchtitan job: ``execute(cfg, capture_stacks=...) -> StepTrace`` (module
+    level and picklable, so a worker process runs it). ``cfg`` carries the rank, the target device and the
+    capacity; torchtitan's command line and the command's own job options travel here."""
+
+    argv: tuple[str, ...]
+    n_layers: int | None = None
+    attention: str | None = None
+    measure: bool = False
+
+    def __call__(self, cfg: Any, capture_stacks: bool = True) -> Any:
+        from hyperdryrun.engine import SimulationError
+        from hyperdryrun.integrations.torchtitan import JobArgs, TorchtitanError, simulate_torchtitan
+
+        world = cfg.world
+        job = JobArgs(
+            world_size=world.world_size,
+            rank=world.rank,
+            local_rank=world.local_rank,
+            n_layers=self.n_layers,
+            attention=self.attention,
+        )
+        try:
+            if self.measure:
+                from hyperdryrun.measure.torchtitan import measure_torchtitan
+
+                return measure_torchtitan(self.argv, capture_stacks=capture_stacks, **job)
+            return simulate_torchtitan(
+                self.argv, capture_stacks=capture_stacks, target_device=cfg.target_device, **job
+            )
+        except TorchtitanError as err:  # bad input: the runner reports it as such, in one line
+            raise SimulationError("config", err) from err
+
+    def job_metadata(self, cfg: Any) -> dict[str, Any]:
+        """What a report (an error report too) says about the job: torchtitan's command line."""
+        return {
+            "mode": "measured" if self.measure else "dry-run",
+            "rank": cfg.world.rank,
+            "world_size": cfg.world.world_size,
+            "torchtitan": {"argv": list(self.argv)},
+        }
