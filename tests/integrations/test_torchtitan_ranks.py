@@ -119,3 +119,20 @@ def test_bad_many_rank_flags_are_one_line_errors(tmp_path, args, message):
     done = cli(tmp_path, *DEBUG, "--world-size", "2", *args)
     assert done.returncode == 2
     assert done.stderr == f"hyperdryrun: error: {message}\n"
+
+
+@pytest.mark.parametrize(
+    "layout, world_size, ranks, same",
+    [
+        ({"tp": 2, "dp_shard": 4}, 8, (0, 7), True),  # one class: the last rank's step is the first's
+        ({"dp_shard": 3}, 3, (0, 2), False),  # uneven FSDP shards: rank 2 holds less, so a class of its own
+    ],
+    ids=["even-tp-fsdp", "uneven-fsdp"],
+)
+def test_ranks_of_one_class_have_one_peak_and_split_classes_do_not(layout, world_size, ranks, same):
+    argv = [*DEBUG, *degrees(**layout)]
+    peaks = [
+        simulate_torchtitan(argv, world_size=world_size, rank=r, n_layers=1, capture_stacks=False).peak
+        for r in ranks
+    ]
+    assert (peaks[0] == peaks[1]) is same, peaks
