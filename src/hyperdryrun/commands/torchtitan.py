@@ -43,7 +43,8 @@ def register(subparsers: Any) -> None:
         "its data loader, tokenizer, checkpointer or metrics. Every argument not listed here is torchtitan's, e.g. "
         "--module llama3 --config llama3_8b --parallelism.data_parallel_shard_degree 8 --training.seq_len 8192 "
         "activation-checkpoint:none. Writes <output-dir>/rank_<r>/rank_<r>_memory.{json,csv}. Exit 0: done "
-        "(fits), 1: OOM against --device-memory-gib, 2: error.",
+        "(fits), 1: OOM against --device-memory-gib (--all-ranks: on the worst rank; --fit: no layout fits), 2: "
+        "error.",
         allow_abbrev=False,
     )
     p.__class__ = _PassThroughParser
