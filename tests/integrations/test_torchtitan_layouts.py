@@ -121,17 +121,34 @@ def test_ep_with_pp_on_deepseek_v3_debugmodel():
     assert "all_to_all_single" in " ".join(set(trace.task_op))
 
 
-@pytest.mark.parametrize(
-    "extra, message",
-    [
-        (
-            ["--parallelism.pipeline_parallel_schedule_csv", "schedule.csv"],
-            "parallelism.pipeline_parallel_schedule_csv (--parallelism.pipeline_parallel_schedule_csv):",
-        ),
-    ],
-)
-def test_refused_layouts_say_why_in_one_line(extra, message):
-    argv = [*DEBUG, *pp_args(2, data_parallel_shard=2, tensor_parallel=2), *extra]
+def test_refused_layouts_say_why_in_one_line(tmp_path):
+    missing = str(tmp_path / "schedule.csv")
+    argv = [*DEBUG, *pp_args(2, data_parallel_shard=2, tensor_parallel=2)]
     with pytest.raises(TorchtitanError) as info:
-        simulate_torchtitan(argv, world_size=8)
-    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+        simulate_torchtitan([*argv, "--parallelism.pipeline_parallel_schedule_csv", missing], world_size=8)
+    assert str(info.value) == (
+        "parallelism.pipeline_parallel_schedule_csv (--parallelism.pipeline_parallel_schedule_csv): no such file "
+        f"(got {missing!r})"
+    )
+
+
+# torch 2.13's _PipelineScheduleRuntime._load_csv reads one row of compute actions per pp rank ("<stage>F<mb>",
+# "<stage>B<mb>") and lowers them to sends and receives; torchtitan 0.3.0 builds that schedule for a CSV.
+GPIPE_CSV = "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n"
+CSV_JOB = [*DEBUG, *pp_args(2, data_parallel_shard=1), "--training.local_batch_size", "4"]
+
+
+def csv_peak(extra: list[str]) -> int:
+    return simulate_torchtitan([*CSV_JOB, *extra], world_size=2, rank=0, capture_stacks=False).peak
+
+
+def test_a_schedule_csv_runs_its_order_of_actions(tmp_path):
+    """Stage 0 running all four forwards before any backward (GPipe's order, written as a CSV) holds four micro
+    batches' activations at once: its peak is GPipe's, above 1F1B's (which holds at most two on stage 0)."""
+    path = tmp_path / "gpipe.csv"
+    path.write_text(GPIPE_CSV)
+    single = ["--parallelism.pipeline_parallel_schedule", "1F1B"]
+    from_csv = csv_peak([*single, "--parallelism.pipeline_parallel_schedule_csv", str(path)])
+    gpipe = csv_peak(["--parallelism.pipeline_parallel_schedule", "GPipe"])
+    one_f_one_b = csv_peak(single)
+    assert from_csv == gpipe > one_f_one_b

@@ -300,7 +300,7 @@ def _many(args: argparse.Namespace, given: dict[str, int | None], base: dict[str
     title = f"{args.script}: {len(rows)} of {size} ranks"
     print_ranks(cfg, rows, [p for o in outcomes for p in o.paths], quiet=args.quiet, title=title)
     if args.all_ranks:
-        _write_classes(args, cfg, classes, outcomes)
+        write_classes({"script": args.script}, cfg, classes, outcomes, args.quiet)
     return exit_code_of(outcomes, args.debug)
 
 
@@ -319,9 +319,11 @@ def _run(args: argparse.Namespace, cfg: Any, ranks: list[int], layout: dict[str,
 
 
 def classes_report(
-    args: argparse.Namespace, cfg: Any, classes: list[dict[str, Any]], outcomes: list[Any]
+    job: dict[str, Any], cfg: Any, classes: list[dict[str, Any]], outcomes: list[Any]
 ) -> dict[str, Any]:
-    """``rank_classes.json`` of a script's job: the keys of ``run --all-ranks``'s, the script named for the model."""
+    """``rank_classes.json`` of a job that is not the built-in recipe (a script's, a torchtitan job's): the keys of
+    ``run --all-ranks``'s, ``job`` (e.g. ``{"script": spec}``) named for the model. A class is ``{"ranks", "key"}``
+    and optionally ``"what"`` sets it apart (default: its ``rank_class`` key)."""
     from hyperdryrun.search.classes import rank_ranges
 
     by_rank = {o.rank: o for o in outcomes}
@@ -338,7 +340,8 @@ def classes_report(
                 "representative": c["ranks"][0],
                 "ranks": rank_ranges(c["ranks"]),
                 "num_ranks": len(c["ranks"]),
-                "what": "no rank_class declared" if c["key"] is None else f"rank_class {c['key']!r}",
+                "what": c.get("what")
+                or ("no rank_class declared" if c["key"] is None else f"rank_class {c['key']!r}"),
                 "peak_bytes": s.get("peak_bytes"),
                 "peak_reserved_bytes": s.get("peak_reserved_bytes"),
                 "peak_device_bytes": s.get("peak_device_bytes"),
@@ -347,22 +350,23 @@ def classes_report(
             }
         )
     return {
-        "script": args.script,
+        **job,
         "world_size": cfg.world.world_size,
         "classes": rows,
         "rank_class": rank_class,
     }
 
 
-def _write_classes(
-    args: argparse.Namespace, cfg: Any, classes: list[dict[str, Any]], outcomes: list[Any]
+def write_classes(
+    job: dict[str, Any], cfg: Any, classes: list[dict[str, Any]], outcomes: list[Any], quiet: bool
 ) -> None:
+    """``<output-dir>/rank_classes.json`` of :func:`classes_report` and, unless ``quiet``, the class table."""
     from rich.console import Console
 
     from hyperdryrun.report.writer import atomic_write
     from hyperdryrun.search.classes import print_rank_classes
 
-    report = classes_report(args, cfg, classes, outcomes)
+    report = classes_report(job, cfg, classes, outcomes)
     path = Path(cfg.output_dir) / "rank_classes.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -372,7 +376,7 @@ def _write_classes(
             f"hyperdryrun: error: --output-dir {cfg.output_dir!r}: cannot write rank_classes.json: {err}\n"
         )
         return
-    if not args.quiet:
+    if not quiet:
         print_rank_classes(report)
         Console().print(f"[dim]wrote {path}[/]", soft_wrap=True)
 
@@ -383,15 +387,39 @@ def _fit(
 ) -> int:
     """Every declared layout, each rank class once, into ``<output-dir>/layout_<i>/``; a table in the declared
     order; the first layout that fits is the choice (exit 0), none fits: exit 1."""
+    root = Path(base.get("output_dir") or config_for(base, identity).output_dir)
+
+    def run_layout(i: int, layout: dict[str, Any], classes: list[dict[str, Any]]) -> list[Any]:
+        cfg = config_for({**base, "output_dir": str(root / f"layout_{i}")}, {**identity, "rank": 0})
+        return _run(args, cfg, [c["ranks"][0] for c in classes], layout)
+
+    title = f"{args.script}: {len(probed['layouts'])} layouts declared, {identity['world_size']} ranks"
+    return fit_layouts(title, probed["layouts"], probed["classes"], run_layout, args.quiet, args.debug)
+
+
+def fit_layouts(
+    title: str,
+    layouts: list[dict[str, Any]],
+    classes: list[list[dict[str, Any]] | str],
+    run_layout: Any,
+    quiet: bool,
+    debug: bool,
+    order: str = "declared",
+) -> int:
+    """Dry-run each layout's rank classes (``run_layout(i, layout, classes) -> [RankOutcome]``, one per class),
+    print a table in the given (``order``: "declared") order and choose the first layout whose every class fits: exit 0, none fits: 1, a
+    failed rank: its exit code. A layout whose ``classes`` is a string cannot run (the string says why): its row
+    says so and it is not chosen."""
     from rich.console import Console
     from rich.table import Table
 
     rows = []
     failed: list[Any] = []
-    for i, (layout, classes) in enumerate(zip(probed["layouts"], probed["classes"], strict=True)):
-        out = str(Path(base.get("output_dir") or config_for(base, identity).output_dir) / f"layout_{i}")
-        cfg = config_for({**base, "output_dir": out}, {**identity, "rank": 0})
-        outcomes = _run(args, cfg, [c["ranks"][0] for c in classes], layout)
+    for i, (layout, layout_classes) in enumerate(zip(layouts, classes, strict=True)):
+        if isinstance(layout_classes, str):
+            rows.append((i, layout, [], None, layout_classes, False))
+            continue
+        outcomes = run_layout(i, layout, layout_classes)
         errors = [o for o in outcomes if o.error]
         failed += errors
         ok = [o.report["summary"] for o in outcomes if not o.error]
@@ -400,11 +428,12 @@ def _fit(
             key=lambda o: o.report["summary"]["headroom_bytes"],
             default=None,
         )
-        rows.append((i, layout, classes, worst_o, errors, all(not s["oom"] for s in ok) and not errors))
+        rows.append(
+            (i, layout, layout_classes, worst_o, errors, all(not s["oom"] for s in ok) and not errors)
+        )
     chosen = next((r[0] for r in rows if r[5]), None)
     console = Console() if Console().is_terminal else Console(width=130)
-    t = Table(title=f"{args.script}: {len(rows)} layouts declared, {identity['world_size']} ranks",
-              title_justify="left", title_style="bold", show_edge=False, pad_edge=False)  # fmt: skip
+    t = Table(title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
     for col in (
         "#",
         "layout",
@@ -418,11 +447,22 @@ def _fit(
     ):
         t.add_column(col, justify="left" if col in ("layout", "verdict") else "right")
     gib = "{:,.2f}".format
-    for i, layout, classes, worst, errors, fits in rows:
+    for i, layout, layout_classes, worst, errors, fits in rows:
         name = " ".join(f"{k}={v}" for k, v in layout.items()) or "(empty)"
+        if isinstance(errors, str):
+            t.add_row(str(i), name, "", "", "", "", "", "", f"[yellow]invalid[/]: {errors}")
+            continue
         if worst is None:
             t.add_row(
-                str(i), name, str(len(classes)), "", "", "", "", "", f"[red]error[/]: {errors[0].error}"
+                str(i),
+                name,
+                str(len(layout_classes)),
+                "",
+                "",
+                "",
+                "",
+                "",
+                f"[red]error[/]: {errors[0].error}",
             )
             continue
         s = worst.report["summary"]
@@ -430,17 +470,17 @@ def _fit(
         verdict = "[red]error[/]" if errors else ("[green]fits[/]" if fits else "[red]OOM[/]")
         if i == chosen:
             verdict += " (chosen)"
-        t.add_row(str(i), name, str(len(classes)), str(worst.rank), gib(s["peak_allocated_bytes"] / 2**30)
+        t.add_row(str(i), name, str(len(layout_classes)), str(worst.rank), gib(s["peak_allocated_bytes"] / 2**30)
                   if s.get("peak_allocated_bytes") is not None else gib(s["peak_bytes"] / 2**30),
                   "" if s.get("peak_reserved_bytes") is None else gib(s["peak_reserved_bytes"] / 2**30),
                   "" if device is None else gib(device / 2**30), gib(s["headroom_bytes"] / 2**30), verdict)  # fmt: skip
-    if not args.quiet:
+    if not quiet:
         console.print(t)
     if chosen is not None:
         name = " ".join(f"{k}={v}" for k, v in rows[chosen][1].items())
-        console.print(f"chosen: layout {chosen} ({name}), the first declared that fits")
+        console.print(f"chosen: layout {chosen} ({name}), the first {order} that fits")
     else:
-        console.print("no declared layout fits")
+        console.print(f"no {order} layout fits")
     if failed:  # a failure wins over a verdict, as in run
-        return exit_code_of(failed, args.debug)
+        return exit_code_of(failed, debug)
     return EXIT_OK if chosen is not None else EXIT_VERDICT

@@ -7,13 +7,16 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION, Margin
-from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, fail, one_line
+from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, exit_code_of, fail, one_line
+from hyperdryrun.commands.fit import _ints
 from hyperdryrun.commands.measure import CPU_ONLY_NOTE
 from hyperdryrun.commands.preflight import check_cuda_environment, check_rank_outputs
-from hyperdryrun.config import ConfigError, JobConfig, rank_from_env
+from hyperdryrun.config import ConfigError, JobConfig, build_config, rank_from_env
+from hyperdryrun.search.space import SearchSpace
 
 _DEFAULTS = JobConfig.model_fields
 
@@ -40,7 +43,8 @@ def register(subparsers: Any) -> None:
         "its data loader, tokenizer, checkpointer or metrics. Every argument not listed here is torchtitan's, e.g. "
         "--module llama3 --config llama3_8b --parallelism.data_parallel_shard_degree 8 --training.seq_len 8192 "
         "activation-checkpoint:none. Writes <output-dir>/rank_<r>/rank_<r>_memory.{json,csv}. Exit 0: done "
-        "(fits), 1: OOM against --device-memory-gib, 2: error.",
+        "(fits), 1: OOM against --device-memory-gib (--all-ranks: on the worst rank; --fit: no layout fits), 2: "
+        "error.",
         allow_abbrev=False,
     )
     p.__class__ = _PassThroughParser
@@ -91,6 +95,37 @@ def register(subparsers: Any) -> None:
         "routed-experts module's per-expert token counts, given to the expert-parallel dispatch; default: balanced)",
     )
     p.add_argument("--output-dir", default=_DEFAULTS["output_dir"].default, help="where rank_<r>/ goes")
+    p.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
+    p.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help="every rank of the world: one simulated per rank class (ranks of the same pipeline stage and "
+        "context-parallel position whose parameter shards have the same shapes); writes rank_classes.json",
+    )
+    p.add_argument(
+        "--jobs", type=int, help="processes in parallel for --ranks/--all-ranks/--fit (default: cores)"
+    )
+    p.add_argument(
+        "--fit",
+        action="store_true",
+        help="search torchtitan's parallelism degrees for the world size: every layout of --fit-tp x --fit-pp x "
+        "--fit-cp x --fit-ep that fills it (dp_shard takes the rest; the job's other settings as given), each "
+        "rank class dry-run against --device-memory-gib, in <output-dir>/layout_<i>/; the first that fits (least "
+        "tp, then pp, cp, ep) is chosen",
+    )
+    for name, default in (
+        ("tp", SearchSpace.tp),
+        ("pp", SearchSpace.pp),
+        ("cp", SearchSpace.cp),
+        ("ep", (1,)),
+    ):
+        p.add_argument(
+            f"--fit-{name}",
+            type=_ints,
+            default=default,
+            metavar=",".join(map(str, default)),
+            help=f"{name} degrees --fit tries ({','.join(map(str, default))})",
+        )
     p.add_argument(
         "--in-process", action="store_true", help="run in this process, not a child (no crash guard)"
     )
@@ -231,8 +266,13 @@ def run(args: argparse.Namespace) -> int:
         identity = _identity(args)
         check_cuda_environment(None, args.target_device)
         check_rank_outputs(args.output_dir, [identity["rank"] or 0])
+        many = args.ranks is not None or args.all_ranks or args.fit
+        if many:
+            _check_many(args, identity)
     except ConfigError as err:
         return fail(str(err), err, args.debug)
+    if many:
+        return _many(args, identity)
     options = {
         "argv": list(args.torchtitan_args),
         **identity,
@@ -270,3 +310,168 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_summary(outcome["report"], outcome["paths"])
     return EXIT_VERDICT if s.get("oom") or s.get("at_risk") else EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------- many ranks
+def _check_many(args: argparse.Namespace, identity: dict[str, int | None]) -> None:
+    """The flags of --ranks/--all-ranks/--fit that go together (one-line ConfigError)."""
+    if args.rank is not None:
+        raise ConfigError("--rank and --ranks/--all-ranks/--fit: give one of them")
+    if args.fit and (args.ranks is not None or args.all_ranks):
+        raise ConfigError("--fit simulates every rank class of each layout: drop --ranks/--all-ranks")
+    if args.in_process:
+        raise ConfigError("--in-process runs one rank: drop --ranks/--all-ranks/--fit")
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs: must be >= 1 (got {args.jobs})")
+    if args.fit and args.device_memory_gib is None:
+        raise ConfigError("--fit needs a capacity: give --device-memory-gib")
+    if args.fit and args.measure:
+        raise ConfigError("--fit dry-runs each layout: drop --measure")
+    for name in ("tp", "pp", "cp", "ep"):
+        values = getattr(args, f"fit_{name}")
+        if any(v < 1 for v in values):
+            raise ConfigError(f"--fit-{name}: degrees must be >= 1 (got {','.join(map(str, values))})")
+
+
+def _many(args: argparse.Namespace, identity: dict[str, int | None]) -> int:
+    """``--ranks``/``--all-ranks``: the ranks in worker processes through the runner, one per rank class with
+    ``--all-ranks``; ``--fit``: each layout's rank classes. The same tables and exit codes as ``script``'s."""
+    from hyperdryrun.commands.run import parse_ranks
+    from hyperdryrun.commands.script import write_classes
+    from hyperdryrun.integrations.torchtitan import TorchtitanError, infer_world_size, rank_classes
+    from hyperdryrun.report.console import print_ranks
+
+    argv = list(args.torchtitan_args)
+    try:
+        size = identity["world_size"] or infer_world_size(argv)
+        if size is None:
+            raise ConfigError(
+                "--world-size: torchtitan's parallelism degrees leave the world size open "
+                "(parallelism.data_parallel_shard_degree -1); give --world-size or $WORLD_SIZE"
+            )
+        cfg = _config(args, identity, size, args.output_dir)
+        if args.fit:
+            return _fit(args, identity, size)
+        ranks = parse_ranks(args, size)
+        assert ranks is not None
+        classes = rank_classes(argv, size, args.n_layers) if args.all_ranks else []
+    except (ConfigError, TorchtitanError) as err:
+        return fail(one_line(str(err)), err, args.debug)
+    if args.all_ranks:
+        ranks = [c["ranks"][0] for c in classes]
+    outcomes = _run(args, cfg, ranks, argv)
+    rows = [(o.rank, o.report if not o.error else None, o.error) for o in outcomes]
+    title = f"torchtitan {' '.join(argv)}: {len(rows)} of {size} ranks"
+    print_ranks(cfg, rows, [p for o in outcomes for p in o.paths], quiet=args.quiet, title=title)
+    if args.all_ranks:
+        write_classes({"torchtitan": {"argv": argv}}, cfg, classes, outcomes, args.quiet)
+    return exit_code_of(outcomes, args.debug)
+
+
+def _config(
+    args: argparse.Namespace, identity: dict[str, int | None], size: int, output_dir: str
+) -> JobConfig:
+    """The runner's job: the world, target device, capacity, margin and output (the model is torchtitan's)."""
+    world = {"world_size": size, "rank": 0}
+    if identity["local_rank"] is not None:
+        world["local_rank"] = identity["local_rank"]
+    data: dict[str, Any] = {"world": world, "target_device": args.target_device, "output_dir": output_dir}
+    for name in ("device_memory_gib", "margin_gib", "margin_pct"):
+        if getattr(args, name) is not None:
+            data[name] = getattr(args, name)
+    return build_config(data)
+
+
+def _run(args: argparse.Namespace, cfg: JobConfig, ranks: list[int], argv: list[str]) -> list[Any]:
+    from hyperdryrun.runner import run_ranks
+
+    execute = TorchtitanExecute(tuple(argv), args.n_layers, args.attention, args.measure)
+    return run_ranks(
+        cfg,
+        ranks,
+        args.jobs,
+        capture_stacks=not args.no_stacks,
+        execute=execute,
+        mode="measured" if args.measure else "dry-run",
+        show_progress=False if args.quiet else None,
+    )
+
+
+def _fit(args: argparse.Namespace, identity: dict[str, int | None], size: int) -> int:
+    """Every layout of the --fit-* degrees that fills the world (:func:`hyperdryrun.search.space.layouts`), each
+    checked by torchtitan's own config handling (an invalid one is a row saying why), its rank classes dry-run."""
+    from pathlib import Path
+
+    from hyperdryrun.commands.script import fit_layouts
+    from hyperdryrun.integrations.torchtitan import TorchtitanError, load_config, rank_classes, with_layout
+    from hyperdryrun.search.space import layouts
+
+    argv = list(args.torchtitan_args)
+    replicate = max(1, load_config(argv).parallelism.data_parallel_replicate_degree)
+    space = SearchSpace(
+        tp=args.fit_tp, pp=args.fit_pp, cp=args.fit_cp, ep=args.fit_ep, dp_replicate=(replicate,),
+        micro_batch_sizes=(1,), ac=("none",), max_micro_batches=size,
+    )  # fmt: skip
+    chosen: list[dict[str, int]] = []
+    for layout, _ in layouts(space, size, size, is_moe=True):
+        degrees = {k: getattr(layout, k) for k in ("dp_shard", "tp", "pp", "cp", "ep")}
+        if degrees not in chosen:
+            chosen.append(degrees)
+    classes: list[list[dict[str, Any]] | str] = []
+    for degrees in chosen:
+        try:
+            classes.append(rank_classes(with_layout(argv, degrees), size, args.n_layers))
+        except TorchtitanError as err:
+            classes.append(one_line(str(err)))
+    root = Path(args.output_dir)
+
+    def run_layout(i: int, degrees: dict[str, int], layout_classes: list[dict[str, Any]]) -> list[Any]:
+        cfg = _config(args, identity, size, str(root / f"layout_{i}"))
+        return _run(args, cfg, [c["ranks"][0] for c in layout_classes], with_layout(argv, degrees))
+
+    title = f"torchtitan {' '.join(argv)}: {len(chosen)} layouts of {size} ranks"
+    return fit_layouts(title, chosen, classes, run_layout, args.quiet, args.debug, order="searched")
+
+
+@dataclass(frozen=True)
+class TorchtitanExecute:
+    """How the runner runs a rank of a torchtitan job: ``execute(cfg, capture_stacks=...) -> StepTrace`` (module
+    level and picklable, so a worker process runs it). ``cfg`` carries the rank, the target device and the
+    capacity; torchtitan's command line and the command's own job options travel here."""
+
+    argv: tuple[str, ...]
+    n_layers: int | None = None
+    attention: str | None = None
+    measure: bool = False
+
+    def __call__(self, cfg: Any, capture_stacks: bool = True) -> Any:
+        from hyperdryrun.engine import SimulationError
+        from hyperdryrun.integrations.torchtitan import JobArgs, TorchtitanError, simulate_torchtitan
+
+        world = cfg.world
+        job = JobArgs(
+            world_size=world.world_size,
+            rank=world.rank,
+            local_rank=world.local_rank,
+            n_layers=self.n_layers,
+            attention=self.attention,
+        )
+        try:
+            if self.measure:
+                from hyperdryrun.measure.torchtitan import measure_torchtitan
+
+                return measure_torchtitan(self.argv, capture_stacks=capture_stacks, **job)
+            return simulate_torchtitan(
+                self.argv, capture_stacks=capture_stacks, target_device=cfg.target_device, **job
+            )
+        except TorchtitanError as err:  # bad input: the runner reports it as such, in one line
+            raise SimulationError("config", err) from err
+
+    def job_metadata(self, cfg: Any) -> dict[str, Any]:
+        """What a report (an error report too) says about the job: torchtitan's command line."""
+        return {
+            "mode": "measured" if self.measure else "dry-run",
+            "rank": cfg.world.rank,
+            "world_size": cfg.world.world_size,
+            "torchtitan": {"argv": list(self.argv)},
+        }

@@ -21,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import logging
 import math
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Required, TypedDict, Unpack
 
@@ -33,6 +35,7 @@ from hyperdryrun.compat import torch_fsdp
 from hyperdryrun.compat import torchtitan as titan_compat
 from hyperdryrun.compat.torchtitan import TESTED_VERSION, torchtitan_version
 from hyperdryrun.compat.versions import torch_version
+from hyperdryrun.config import ConfigError
 from hyperdryrun.patches import Patch, PatchSet
 
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -41,8 +44,9 @@ SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV
 SPMD_BACKEND_FLAGS = ("--parallelism.spmd_backend", "--parallelism.spmd-backend")
 
 
-class TorchtitanError(ValueError):
-    """A torchtitan job the dry run cannot run as given; the message is one line naming the field."""
+class TorchtitanError(ConfigError):
+    """A torchtitan job the dry run cannot run as given; the message is one line naming the field (bad input, as
+    a :class:`~hyperdryrun.config.ConfigError`, also for the runner's workers)."""
 
 
 def load_config(argv: Sequence[str]) -> Any:
@@ -328,18 +332,18 @@ class TorchtitanJob:
 
         p = self.config.parallelism
         refused = [
-            (self.real, "--parallelism.pipeline_parallel_degree", "measure runs no pipeline-parallel job"),
-            (
-                bool(p.pipeline_parallel_schedule_csv),
-                "--parallelism.pipeline_parallel_schedule_csv",
-                "not run",
-            ),
             (
                 p.pipeline_parallel_schedule not in PIPELINE_SCHEDULES,
                 "--parallelism.pipeline_parallel_schedule",
                 f"must be one of {', '.join(PIPELINE_SCHEDULES)}",
             ),
         ]
+        csv = p.pipeline_parallel_schedule_csv
+        if csv and not os.path.isfile(csv):  # torchtitan's FileNotFoundError, one line before any work
+            raise TorchtitanError(
+                "parallelism.pipeline_parallel_schedule_csv (--parallelism.pipeline_parallel_schedule_csv): "
+                f"no such file (got {csv!r})"
+            )
         split = p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
         if split and isinstance(self.config.activation_checkpoint, SelectiveAC.Config):
             raise TorchtitanError(
@@ -503,6 +507,9 @@ class TorchtitanJob:
             return None
         return {
             "schedule": self.config.parallelism.pipeline_parallel_schedule,
+            # torchtitan runs a schedule CSV with torch's _PipelineScheduleRuntime (its _load_csv lowers the
+            # compute actions to sends and receives); the schedule above still sets the stages per rank
+            "schedule_csv": self.config.parallelism.pipeline_parallel_schedule_csv or None,
             "num_micro_batches": self.pp_microbatches,
             "fsdp_reshard_after_forward": self.config.parallelism.fsdp_reshard_after_forward,
         }
@@ -782,7 +789,15 @@ class TorchtitanJob:
             target_device=self.target_device,
             num_micro_batches=self.gradient_accumulation_steps * self.pp_microbatches,
             metadata=self.metadata,
+            held_fn=self._held_buffers,
         )
+
+    def _held_buffers(self) -> Iterator[Any]:
+        """The pipeline stages' receive buffers, which the warm-up step of a measured run made and the step keeps
+        (the built-in recipe's, :func:`~hyperdryrun.recipe.pipeline_held_buffers`)."""
+        from hyperdryrun.recipe import pipeline_held_buffers
+
+        return pipeline_held_buffers(self.pp_schedule)
 
 
 def _takes_micro_batches(cls: type) -> bool:
@@ -936,3 +951,65 @@ def infer_world_size(argv: Sequence[str]) -> int | None:
         p.pipeline_parallel_degree,
     ]
     return None if any(d < 1 for d in degrees) else math.prod(degrees)
+
+
+# ------------------------------------------------------------------------------------------------- many ranks
+LAYOUT_FLAGS = {
+    "dp_replicate": "--parallelism.data_parallel_replicate_degree",
+    "dp_shard": "--parallelism.data_parallel_shard_degree",
+    "tp": "--parallelism.tensor_parallel_degree",
+    "pp": "--parallelism.pipeline_parallel_degree",
+    "cp": "--parallelism.context_parallel_degree",
+    "ep": "--parallelism.expert_parallel_degree",
+}
+"""The torchtitan flag of each parallel degree (``--fit`` sets them; the last of a repeated flag wins)."""
+
+
+def with_layout(argv: Sequence[str], layout: dict[str, int]) -> list[str]:
+    """``argv`` with the degrees of ``layout`` appended (torchtitan's config parser takes the last value given)."""
+    return [*argv, *(x for name, degree in layout.items() for x in (LAYOUT_FLAGS[name], str(degree)))]
+
+
+def rank_classes(argv: Sequence[str], world_size: int, n_layers: int | None = None) -> list[dict[str, Any]]:
+    """The rank classes of a torchtitan job over ``world_size`` ranks, ``[{"ranks", "key", "what"}]`` in order of
+    their lowest rank: ranks that run the same step (the rules of :mod:`hyperdryrun.search.classes`) share a class.
+
+    torchtitan's mesh is laid out as the recipe's (``pp, dp_replicate, dp_shard, cp, tp``, row-major), so
+    :meth:`~hyperdryrun.parallel.dims.ParallelDims.coordinates` places each rank. The pipeline stage and the
+    context-parallel position always set ranks apart; the data-parallel replica never does; ``dp_shard`` and ``tp``
+    positions only where a parameter of the model (built on meta) splits unevenly over TP and FSDP (``torch.chunk``
+    leaves the last ranks smaller shards), or with EP (its token routing and expert shards, kept apart whole).
+    Bad input raises :class:`TorchtitanError`."""
+    from hyperdryrun.parallel.dims import ParallelDims
+
+    with torchtitan_job(argv, world_size=world_size, n_layers=n_layers) as job:
+        degrees = job.metadata["parallel"]
+        with torch.device("meta"):
+            shapes = [tuple(p.shape) for p in job.build_model().parameters()]
+    tp, fsdp = degrees["tp"], degrees["dp_shard"] * degrees["cp"]
+    # TP splits one dim of a parameter, FSDP2 dim 0 of the TP-local tensor: even when every dim divides by tp and
+    # dim 0 by tp * fsdp (n % (tp * f) == 0 makes both n and n / tp divide by f)
+    even = all(
+        all(n % tp == 0 for n in shape) and (not shape or shape[0] % (tp * fsdp) == 0) for shape in shapes
+    )
+    dims = ParallelDims(
+        world_size,
+        degrees["dp_replicate"],
+        degrees["dp_shard"],
+        degrees["cp"],
+        tp,
+        degrees["pp"],
+        degrees["ep"],
+    )
+    groups: dict[str, dict[str, Any]] = {}
+    for rank in range(world_size):
+        c = dims.coordinates(rank)
+        key = {"pp": c.pp, "cp": c.cp}
+        if not even or degrees["ep"] > 1:
+            key.update(dp_shard=c.dp_shard, tp=c.tp)
+        name = json.dumps(key, sort_keys=True)
+        group = groups.setdefault(name, {"ranks": [], "key": key})
+        group["ranks"].append(rank)
+    for group in groups.values():
+        group["what"] = ", ".join(f"{k} {v}" for k, v in group["key"].items())
+    return list(groups.values())
