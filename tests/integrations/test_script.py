@@ -148,6 +148,15 @@ def test_fit_tries_the_declared_layouts_in_order_and_chooses_the_first_that_fits
     assert big["summary"]["peak_bytes"] > 2 * 2**30 > small["summary"]["peak_bytes"]
 
 
+def test_fit_does_not_choose_a_layout_that_is_only_at_risk(tmp_path, capsys):
+    # the same layouts with a margin of 1.99 GiB under the 2 GiB card: layout 1's device peak (its CUDA context
+    # alone is 840 MiB) lies within the margin, so it is at risk, which run's verdict fails (exit 1), not a fit
+    argv = ["script", JOB, "--fit", "--world-size", "2", "--device-memory-gib", "2", "--margin-gib", "1.99"]
+    assert main([*argv, "--no-stacks", "--output-dir", str(tmp_path / "out")]) == 1
+    text = " ".join(capsys.readouterr().out.split())
+    assert "at risk" in text and "no declared layout fits" in text and "(chosen)" not in text
+
+
 def test_fit_needs_a_capacity_and_declared_layouts(tmp_path, capsys):
     assert main(["script", JOB, "--fit", "--output-dir", str(tmp_path)]) == 2
     assert "--fit needs a capacity" in one_error_line(capsys.readouterr().err)

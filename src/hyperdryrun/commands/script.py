@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hyperdryrun.allocator.verdict import AT_RISK, FITS, OOM
 from hyperdryrun.commands import (
     EXIT_OK,
     EXIT_VERDICT,
@@ -428,10 +429,11 @@ def fit_layouts(
             key=lambda o: o.report["summary"]["headroom_bytes"],
             default=None,
         )
-        rows.append(
-            (i, layout, layout_classes, worst_o, errors, all(not s["oom"] for s in ok) and not errors)
-        )
-    chosen = next((r[0] for r in rows if r[5]), None)
+        # "fits" only where no class is OOM or at risk (within the model's error of the capacity): an at-risk
+        # layout fails run's verdict (exit 1), so it is shown as such and not chosen
+        word = OOM if any(s["oom"] for s in ok) else (AT_RISK if any(s.get("at_risk") for s in ok) else FITS)
+        rows.append((i, layout, layout_classes, worst_o, errors, word if not errors else None))
+    chosen = next((r[0] for r in rows if r[5] == FITS), None)
     console = Console() if Console().is_terminal else Console(width=130)
     t = Table(title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
     for col in (
@@ -467,7 +469,11 @@ def fit_layouts(
             continue
         s = worst.report["summary"]
         device = s.get("peak_device_bytes")
-        verdict = "[red]error[/]" if errors else ("[green]fits[/]" if fits else "[red]OOM[/]")
+        verdict = (
+            "[red]error[/]"
+            if errors
+            else {FITS: "[green]fits[/]", AT_RISK: "[yellow]at risk[/]"}.get(fits, "[red]OOM[/]")
+        )
         if i == chosen:
             verdict += " (chosen)"
         t.add_row(str(i), name, str(len(layout_classes)), str(worst.rank), gib(s["peak_allocated_bytes"] / 2**30)
