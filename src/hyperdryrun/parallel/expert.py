@@ -278,8 +278,100 @@ def apply_ep(model: nn.Module, ep_mesh: Any, top_k: int) -> None:
 
 
 def apply_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig) -> None:
-    """FSDP2 as :func:`hyperdryrun.parallel.fsdp.apply_fsdp`, with the routed experts wrapped first over
-    ``expert_mesh`` when EP is on (torchtitan: experts over ``dp_shard_mod_ep``, the rest over ``dp_shard``)."""
+    """FSDP2 units of the MoE model as ``parallel.fsdp_wrap`` names them: torchtitan 0.3.0's
+    (:func:`_torchtitan_moe_fsdp`) or its 2024 releases' (:func:`_torchtitan_2024_moe_fsdp`)."""
+    if cfg.parallel.fsdp_wrap == "torchtitan":
+        _torchtitan_moe_fsdp(model, dp_mesh, expert_mesh, cfg)
+    else:
+        _torchtitan_2024_moe_fsdp(model, dp_mesh, expert_mesh, cfg)
+
+
+def _torchtitan_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig) -> None:
+    """torchtitan 0.3.0's ``apply_fsdp_to_decoder``: the embedding and each block are units (the dense units of
+    :func:`hyperdryrun.parallel.fsdp.apply_fsdp`), norm + head one unit kept unsharded after forward; a block's
+    routed experts are in the block's unit, sharded on the expert dimension (on their hidden dimension when the
+    expert-sharding ranks outnumber the experts) and, under EP, over ``expert_mesh`` while the rest of the block is
+    over ``dp_mesh``. Under EP, each block prefetches the next one's parameters in forward and the previous one's
+    in backward, as torchtitan sets."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import Shard
+
+    p = cfg.parallel
+    config = {"mesh": dp_mesh, "mp_policy": mixed_precision(cfg)}
+    blocks_reshard = p.reshard_after_forward and p.pp == 1
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if model.args.tie_embeddings:
+        units = [m for m in (model.tok_embeddings, *head) if m is not None]
+        fully_shard(units, **config, reshard_after_forward=False)
+    else:
+        if model.tok_embeddings is not None:
+            fully_shard(model.tok_embeddings, **config, reshard_after_forward=blocks_reshard)
+        if len(head) == 2:
+            fully_shard(head, **config, reshard_after_forward=False)
+    for block in model.layers.values():
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        moe = getattr(inner, "moe", None)
+        placement_fn = None
+        if moe is not None:
+            experts = set(moe.experts.parameters())
+            # torchtitan: efsdp x ep ranks (dp_shard) under EP, else every rank of the FSDP mesh.
+            sharders = p.dp_shard if expert_mesh is not None else dp_mesh.size()
+            placement = Shard(1) if sharders > moe.experts.num_experts else Shard(0)
+            if expert_mesh is not None:
+                placement_fn = _expert_mesh_placement(experts, placement, expert_mesh, dp_mesh)
+            elif placement == Shard(1):
+                placement_fn = lambda param, _e=experts: Shard(1) if param in _e else None  # noqa: E731
+        fully_shard(block, **config, reshard_after_forward=blocks_reshard, shard_placement_fn=placement_fn)
+    fully_shard(model, **config)
+    # torchtitan's disable_fsdp_gradient_division: it scales gradients by the global token count itself. FSDP2
+    # then reduces with PREMUL_SUM(1), and over a mesh of one rank (experts under ep = dp_shard) copies
+    # ``input / 1`` out: a gradient-sized temporary.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    if expert_mesh is None:
+        return
+    blocks = list(model.layers.values())
+    if model.tok_embeddings is not None and blocks:
+        model.tok_embeddings.set_modules_to_forward_prefetch([blocks[0]])
+    for block, nxt in zip(blocks, [*blocks[1:], None]):
+        if nxt is not None:
+            block.set_modules_to_forward_prefetch([nxt])
+        elif len(head) == 2:
+            block.set_modules_to_forward_prefetch(head)
+    backward = list(reversed(blocks))
+    if len(head) == 2 and blocks:
+        model.output.set_modules_to_backward_prefetch([backward[0]])
+    for block, prev in zip(backward, [*backward[1:], None]):
+        if prev is not None:
+            block.set_modules_to_backward_prefetch([prev])
+        elif model.tok_embeddings is not None:
+            block.set_modules_to_backward_prefetch([model.tok_embeddings])
+
+
+def _expert_mesh_placement(experts: set, placement: Any, expert_mesh: Any, dp_mesh: Any) -> Any:
+    """FSDP2's per-parameter mesh in one unit (torch 2.13 ``ShardPlacementResult``, as torchtitan 0.3.0 uses it):
+    routed experts over ``expert_mesh``, every other parameter of the block on dim 0 over ``dp_mesh``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+
+    expert_info, dp_info = _get_mesh_info(expert_mesh, None), _get_mesh_info(dp_mesh, None)
+
+    def place(param: nn.Parameter) -> Any:
+        if param in experts:
+            return ShardPlacementResult(placement=placement, mesh_info=expert_info)
+        return ShardPlacementResult(placement=Shard(0), mesh_info=dp_info)
+
+    return place
+
+
+def _torchtitan_2024_moe_fsdp(
+    model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig
+) -> None:
+    """The 2024 units: each block (the last one kept unsharded after forward) and the root, with the routed experts
+    wrapped first over ``expert_mesh`` when EP is on (experts over ``dp_shard_mod_ep``, the rest over
+    ``dp_shard``)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
