@@ -51,11 +51,12 @@ class ExpertParallel:
     """Shard a :class:`GroupedExperts` on the expert dimension over ``ep`` and wrap its forward with all-to-all
     token dispatch and combine (torchtitan's ``ExpertParallel`` through ``distribute_module``)."""
 
-    def __init__(self, fqn: str, top_k: int) -> None:
-        self.fqn, self.top_k = fqn, top_k
+    def __init__(self, fqn: str, top_k: int, permute: str = "torchtitan") -> None:
+        self.fqn, self.top_k, self.permute = fqn, top_k, permute
         self.input_splits: list[int] = []
         self.output_splits: list[int] = []
         self.inverse: torch.Tensor | None = None
+        self.permuted: tuple[torch.Size, torch.Tensor] | None = None
 
     def apply(self, experts: nn.Module, ep_mesh: Any) -> nn.Module:
         from torch.distributed.tensor import distribute_module
@@ -105,6 +106,8 @@ class ExpertParallel:
         counts_group = all_to_all_single(counts, None, None, group)
         received = self._splits(counts, counts_group, routed_input.shape[0] // self.top_k, ep, me)
         routed_input = all_to_all_single_autograd(routed_input, self.output_splits, self.input_splits, group)
+        if self.permute == "torchtitan":
+            return self._permute(routed_input, counts_group, ep)
         # Received rows are ordered (source rank, local expert); the grouped GEMM wants expert-major order.
         local = len(received[0])
         starts, pos = [], 0
@@ -124,11 +127,39 @@ class ExpertParallel:
         tokens_per_local_expert = counts_group.view(ep, local).sum(dim=0)
         return routed_input[perm], tokens_per_local_expert
 
+    def _permute(
+        self, routed_input: torch.Tensor, counts_group: torch.Tensor, ep: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank-major rows to expert-major rows on the device, as torchtitan 0.3.0's
+        ``AllToAllTokenDispatcher._permute``: the permutation (int64, one per row) is kept for the combine."""
+        counts_group = counts_group.reshape(-1)
+        local = counts_group.shape[0] // ep
+        total = routed_input.shape[0]
+        t_mat = counts_group.view(ep, local)
+        input_starts = (counts_group.cumsum(0) - counts_group).view(ep, local)
+        segment_lens = t_mat.t().reshape(-1)
+        input_starts = input_starts.t().reshape(-1)
+        device = routed_input.device
+        seg_ids = torch.arange(segment_lens.shape[0], device=device).repeat_interleave(
+            segment_lens, output_size=total
+        )
+        output_starts = segment_lens.cumsum(0) - segment_lens
+        permuted = input_starts[seg_ids] + torch.arange(total, device=device) - output_starts[seg_ids]
+        self.permuted = (routed_input.shape, permuted)
+        return routed_input[permuted, :], t_mat.sum(0)
+
     def _combine(self, module: nn.Module, routed_output: torch.Tensor, mesh: Any) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-        unpermuted = routed_output[self.inverse]
-        self.inverse = None
+        if self.permuted is not None:
+            # torchtitan's _unpermute: an empty buffer written at the permuted rows.
+            shape, permuted = self.permuted
+            unpermuted = routed_output.new_empty(shape)
+            unpermuted[permuted, :] = routed_output
+            self.permuted = None
+        else:
+            unpermuted = routed_output[self.inverse]
+            self.inverse = None
         return all_to_all_single_autograd(unpermuted, self.input_splits, self.output_splits, mesh.get_group())
 
 
@@ -137,8 +168,8 @@ class ExpertTensorParallel(ExpertParallel):
     expert's hidden dimension over tp (w1/w3 column-wise, w2 row-wise). Tokens are replicated over tp, dispatched
     and combined over ep; the output is a partial sum over tp that the MoE output's reduce-scatter completes."""
 
-    def __init__(self, fqn: str, top_k: int, ep_mesh: Any, tp_mesh: Any) -> None:
-        super().__init__(fqn, top_k)
+    def __init__(self, fqn: str, top_k: int, ep_mesh: Any, tp_mesh: Any, permute: str = "torchtitan") -> None:
+        super().__init__(fqn, top_k, permute)
         self.ep_mesh, self.tp_mesh = ep_mesh, tp_mesh
 
     def apply(self, experts: nn.Module, ep_tp_mesh: Any) -> nn.Module:
@@ -267,14 +298,16 @@ def apply_moe_tp(
         if ep_mesh is None:
             parallelize_module(block.moe.experts, tp_mesh, TensorParallel())
         else:
-            ExpertTensorParallel(fqn, top_k, ep_mesh, tp_mesh).apply(block.moe.experts, ep_tp_mesh)
+            impl = cfg.model.args().moe_impl
+            ExpertTensorParallel(fqn, top_k, ep_mesh, tp_mesh, impl).apply(block.moe.experts, ep_tp_mesh)
 
 
-def apply_ep(model: nn.Module, ep_mesh: Any, top_k: int) -> None:
-    """Expert parallel on every MoE layer's routed experts."""
+def apply_ep(model: nn.Module, ep_mesh: Any, top_k: int, permute: str = "torchtitan") -> None:
+    """Expert parallel on every MoE layer's routed experts; ``permute``: how received rows are put in expert
+    order (``torchtitan``: 0.3.0's device-side permutation, ``torchtitan-2024``: host-built index lists)."""
     for name, block in model.layers.items():
         if getattr(block, "moe", None) is not None:
-            ExpertParallel(f"layers.{name}.moe.experts", top_k).apply(block.moe.experts, ep_mesh)
+            ExpertParallel(f"layers.{name}.moe.experts", top_k, permute).apply(block.moe.experts, ep_mesh)
 
 
 def apply_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig) -> None:
@@ -409,7 +442,8 @@ def parallelize_moe(model: nn.Module, mesh: Any, cfg: JobConfig) -> nn.Module:
         apply_tp(model, mesh["tp"], cfg, moe_block_tp_plan)
         apply_moe_tp(model, mesh["tp"], ep_mesh, ep_tp_mesh, cfg)
     elif ep_mesh is not None:
-        apply_ep(model, ep_mesh, cfg.model.args().top_k)
+        args = cfg.model.args()
+        apply_ep(model, ep_mesh, args.top_k, args.moe_impl)
     apply_ac(model, cfg.training.ac, cfg.training.ac_selective)
     if fsdp_enabled(cfg):
         apply_moe_fsdp(model, fsdp_mesh(mesh, cfg), expert_mesh, cfg)
