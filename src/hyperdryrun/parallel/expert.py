@@ -256,7 +256,9 @@ def moe_block_tp_plan(block: nn.Module, seq: Any) -> dict:
         projections["attention.wq_b"] = ColwiseParallel()
         projections["attention.wkv_b"] = ColwiseParallel()
     else:
-        projections = {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv")}
+        # The fused wqkv (torchtitan 0.3.0) holds whole KV groups per column shard, as the Llama block's does.
+        names = [n for n in ("wqkv", "wq", "wk", "wv") if hasattr(block.attention, n)]
+        projections = {f"attention.{name}": ColwiseParallel() for name in names}
     return decoder_block_tp_plan(block, seq, projections)
 
 
