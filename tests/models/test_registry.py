@@ -38,7 +38,7 @@ def test_family_of_args_prefers_the_exact_class():
 def test_model_help_lists_the_presets_per_family():
     assert registry.presets_help() == (
         "llama3-8b, llama3-70b, llama3-405b, llama-debug, llama-tiny; "
-        "MoE: mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, moe-debug, qwen3-moe-debug, moe-tiny"
+        "MoE: mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, moe-debug, qwen3-moe-debug, deepseek-v3-debug, moe-tiny"
     )
 
 
@@ -100,8 +100,8 @@ def test_initialiser_sets_norms_to_one_weights_to_the_dim_scale_and_recomputes_r
             weights.append(p.flatten())
     std = torch.cat(weights).std().item()
     assert std == pytest.approx(1 / math.sqrt(args.dim), rel=0.05)
-    # torchtitan 0.3.0: one table per attention (MLA: one for the model); its 2024 releases (rope: shared): one.
-    per_layer = args.rope == "per-layer" and getattr(args, "attention", "gqa") != "mla"
+    # torchtitan 0.3.0: one table per attention (MLA: of its rope part); its 2024 releases (rope: shared): one.
+    per_layer = args.rope == "per-layer"
     names = (
         [f"layers.{i}.attention.rope.cache" for i in range(args.n_layers)] if per_layer else ["rope_cache"]
     )

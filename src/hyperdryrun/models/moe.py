@@ -105,31 +105,42 @@ class Attention(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """DeepSeek-V3 multi-head latent attention projections (low-rank q and compressed kv, decoupled RoPE part).
+    """DeepSeek-V3 multi-head latent attention projections (low-rank q, or one ``wq`` when ``q_lora_rank`` is 0,
+    and compressed kv, decoupled RoPE part).
 
     The projections have MLA's exact shapes; the attention core is SDPA on q/k of ``nope + rope`` and v of
-    ``v_head_dim`` per head, as torchtitan's deepseek_v3 runs it in training (no latent-cache absorption)."""
+    ``v_head_dim`` per head, as torchtitan's deepseek_v3 runs it in training (no latent-cache absorption). With
+    ``rope="per-layer"`` (torchtitan 0.3.0) the layer holds its own complex table of the rope part."""
 
-    def __init__(self, args: MoEArgs) -> None:
+    def __init__(self, args: MoEArgs, max_seq_len: int) -> None:
         super().__init__()
         h = self.n_heads = args.n_heads
         self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.kv_rank = args.kv_lora_rank
-        self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-        self.q_norm = rms_norm(args.q_lora_rank, args.norm_eps, args.norm)
-        self.wq_b = nn.Linear(args.q_lora_rank, h * (self.nope + self.rope_dim), bias=False)
+        if args.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, h * (self.nope + self.rope_dim), bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = rms_norm(args.q_lora_rank, args.norm_eps, args.norm)
+            self.wq_b = nn.Linear(args.q_lora_rank, h * (self.nope + self.rope_dim), bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_norm = rms_norm(args.kv_lora_rank, args.norm_eps, args.norm)
         self.wkv_b = nn.Linear(args.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(h * self.v_dim, args.dim, bias=False)
+        per_layer = args.rope == "per-layer"
+        self.rope = LayerRoPE(self.rope_dim, max_seq_len, args.rope_theta, "complex") if per_layer else None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         bs, seq, _ = x.shape
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(bs, seq, -1, self.nope + self.rope_dim)
+        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(bs, seq, -1, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_pe, rope)], dim=-1)
         kv, k_pe = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
-        k_pe = apply_rope(k_pe.unsqueeze(2), rope)
+        if self.rope is not None:
+            q_pe, k_pe = self.rope(q_pe, k_pe.unsqueeze(2))
+        else:
+            q_pe, k_pe = apply_rope(q_pe, rope), apply_rope(k_pe.unsqueeze(2), rope)
+        q = torch.cat([q_nope, q_pe], dim=-1)
         kv = self.wkv_b(self.kv_norm(kv)).view(bs, seq, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
@@ -268,7 +279,9 @@ class MoEBlock(nn.Module):
     def __init__(self, args: MoEArgs, layer: int, max_seq_len: int) -> None:
         super().__init__()
         self.attention_norm = rms_norm(args.dim, args.norm_eps, args.norm)
-        self.attention = MLAttention(args) if args.attention == "mla" else Attention(args, max_seq_len)
+        self.attention = (
+            MLAttention(args, max_seq_len) if args.attention == "mla" else Attention(args, max_seq_len)
+        )
         self.ffn_norm = rms_norm(args.dim, args.norm_eps, args.norm)
         dense = layer < args.n_dense_layers
         self.feed_forward = FeedForward(args.dim, args.ffn_dim) if dense else None
@@ -285,13 +298,13 @@ class MoETransformer(DecoderLM):
 
     def __init__(self, args: MoEArgs, max_seq_len: int) -> None:
         super().__init__()
-        shared = args.rope == "shared" or args.attention == "mla"
+        shared = args.rope == "shared"
         self.build_parts(
             args, rope_dim(args) if shared else None, max_seq_len, lambda i: MoEBlock(args, i, max_seq_len)
         )
 
     def rope_input(self, h: torch.Tensor) -> torch.Tensor | None:
-        """The model's one table, or None where each attention holds its own (MLA reads the model's one)."""
+        """The model's one table, or None where each attention holds its own."""
         return getattr(self, "rope_cache", None)
 
     def init_weights(self) -> None:

@@ -120,7 +120,9 @@ class MoEArgs:
         d, h = self.dim, self.n_heads
         if self.attention == "mla":
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-            q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk
+            q = d * h * qk  # one wq (q_lora_rank 0)
+            if self.q_lora_rank:
+                q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk
             kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
             kv += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
             return q + kv + h * self.v_head_dim * d
@@ -175,6 +177,13 @@ MOE_PRESETS: dict[str, MoEArgs] = {
         dim=256, n_layers=8, n_heads=16, n_kv_heads=8, ffn_dim=768, vocab_size=2048,
         num_experts=64, top_k=8, moe_ffn_dim=768, head_dim_override=128, qk_norm=True,
         rope_theta=1e6, norm_eps=1e-6, route_norm=True, rope_format="cos-sin",
+    ),
+    # torchtitan 0.3.0's deepseek_v3 "debugmodel" (--module deepseek_v3 --config deepseek_v3_debugmodel).
+    "deepseek-v3-debug": MoEArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=16, ffn_dim=1024, vocab_size=2048,
+        num_experts=8, top_k=3, moe_ffn_dim=256, num_shared_experts=2, n_dense_layers=1,
+        attention="mla", q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128,
     ),
     "moe-tiny": MoEArgs(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256,

@@ -250,10 +250,12 @@ def moe_block_tp_plan(block: nn.Module, seq: Any) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     if isinstance(block.attention, MLAttention):
-        projections: dict = {
-            f"attention.{name}": NoParallel() for name in ("wq_a", "q_norm", "wkv_a", "kv_norm")
-        }
-        projections["attention.wq_b"] = ColwiseParallel()
+        low_rank = [n for n in ("wq_a", "q_norm", "wkv_a", "kv_norm") if hasattr(block.attention, n)]
+        projections: dict = {f"attention.{name}": NoParallel() for name in low_rank}
+        # Per-head q: wq_b after the low-rank wq_a, or one wq when q_lora_rank is 0 (torchtitan's plan).
+        projections["attention.wq_b" if hasattr(block.attention, "wq_b") else "attention.wq"] = (
+            ColwiseParallel()
+        )
         projections["attention.wkv_b"] = ColwiseParallel()
     else:
         # The fused wqkv (torchtitan 0.3.0) holds whole KV groups per column shard, as the Llama block's does.

@@ -78,10 +78,16 @@ def _attention(args: Any, moe: bool) -> list[tuple[str, tuple[int, ...], int | N
     d, h = args.dim, args.n_heads
     if moe and args.attention == "mla":
         qk = args.qk_nope_head_dim + args.qk_rope_head_dim
+        if args.q_lora_rank:
+            q = [
+                *_linear("attention.wq_a", args.q_lora_rank, d, None),
+                *_norm("attention.q_norm", args.q_lora_rank),
+                *_linear("attention.wq_b", h * qk, args.q_lora_rank, 0),
+            ]
+        else:
+            q = _linear("attention.wq", h * qk, d, 0)
         return [
-            *_linear("attention.wq_a", args.q_lora_rank, d, None),
-            *_norm("attention.q_norm", args.q_lora_rank),
-            *_linear("attention.wq_b", h * qk, args.q_lora_rank, 0),
+            *q,
             *_linear("attention.wkv_a", args.kv_lora_rank + args.qk_rope_head_dim, d, None),
             *_norm("attention.kv_norm", args.kv_lora_rank),
             *_linear("attention.wkv_b", h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank, 0),
