@@ -73,9 +73,12 @@ class ModelConfig(_Strict):
     norm: Literal["fused", "fp32-unfused"] | None = None
     """RMSNorm: ``fused`` (nn.RMSNorm, torchtitan 0.3.0) or ``fp32-unfused`` (torchtitan's 2024 releases)."""
     fuse_qkv: bool | None = None
-    """Dense models: one fused q/k/v projection (torchtitan 0.3.0) or three."""
+    """One fused q/k/v projection (torchtitan 0.3.0) or three (MLA has neither)."""
     rope: Literal["per-layer", "shared"] | None = None
-    """Dense models: a RoPE table per layer (torchtitan 0.3.0) or one shared by all layers (its 2024 releases)."""
+    """A RoPE table per layer (torchtitan 0.3.0) or one shared by all layers (its 2024 releases)."""
+    moe_impl: Literal["torchtitan", "torchtitan-2024"] | None = None
+    """MoE router and token reordering: torchtitan 0.3.0's (load-balancing buffers, scores applied after the
+    experts) or its 2024 releases' (scores applied before)."""
     # --- MoE models (presets of hyperdryrun.models.moe) ---
     num_experts: int | None = Field(None, gt=0, le=MAX_HEADS)
     top_k: int | None = Field(None, gt=0, le=MAX_HEADS)
@@ -130,12 +133,12 @@ class ModelConfig(_Strict):
                     raise ValueError(
                         f"model.{f}={getattr(self, f)} needs an MoE model, {self.name!r} is dense"
                     )
-        else:
-            for f in DENSE_FIELDS:
-                if getattr(self, f) is not None:
-                    raise ValueError(
-                        f"model.{f}={getattr(self, f)} applies to dense models, {self.name!r} is MoE"
-                    )
+        elif self.fuse_qkv is not None and not hf.is_hf_name(self.name):
+            if self.family.presets[self.name].attention == "mla":
+                raise ValueError(
+                    f"model.fuse_qkv={self.fuse_qkv} applies to grouped-query attention, {self.name!r} has MLA "
+                    "(its own low-rank projections)"
+                )
         return self
 
     @property
@@ -157,9 +160,8 @@ class ModelConfig(_Strict):
         return self.family.presets[self.name].replace(**overrides)
 
 
-MOE_FIELDS = ("num_experts", "top_k", "moe_ffn_dim", "num_shared_experts", "n_dense_layers")
-DENSE_FIELDS = ("fuse_qkv", "rope")
-BUILTIN_FIELDS = ("norm", "fuse_qkv", "rope")
+MOE_FIELDS = ("num_experts", "top_k", "moe_ffn_dim", "num_shared_experts", "n_dense_layers", "moe_impl")
+BUILTIN_FIELDS = ("norm", "fuse_qkv", "rope", "moe_impl")
 
 
 class ParallelConfig(_Strict):
@@ -438,16 +440,11 @@ class JobConfig(_Strict):
             raise ValueError(
                 f"training.loss='chunked' applies to built-in presets, {self.model.name!r} is not one"
             )
-        if t.loss == "chunked" and not fsdp_off and (self.model.is_moe or p.fsdp_wrap != "torchtitan"):
+        if t.loss == "chunked" and not fsdp_off and p.fsdp_wrap != "torchtitan":
             # The chunked loss runs the head per chunk: it needs the head as its own FSDP2 unit.
-            what = (
-                f"model {self.model.name!r} (MoE)"
-                if self.model.is_moe
-                else f"parallel.fsdp_wrap={p.fsdp_wrap!r}"
-            )
             raise ValueError(
                 f"training.loss='chunked' needs norm + head as their own FSDP2 unit (parallel.fsdp_wrap: "
-                f"torchtitan on a dense preset), not {what}"
+                f"torchtitan), not parallel.fsdp_wrap={p.fsdp_wrap!r}"
             )
         if p.fsdp_wrap != _default(ParallelConfig, "fsdp_wrap") and hf.is_hf_name(self.model.name):
             raise ValueError(

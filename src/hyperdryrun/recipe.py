@@ -196,6 +196,7 @@ def job_metadata(cfg: JobConfig) -> dict:
         "norm": getattr(args, "norm", None),
         "fuse_qkv": getattr(args, "fuse_qkv", None),
         "rope": getattr(args, "rope", None),
+        "moe_impl": getattr(args, "moe_impl", None),
         "fsdp_wrap": fsdp_wrap_applied(cfg),
         "pipeline": pipeline(cfg).metadata() if cfg.parallel.pp > 1 else None,
         "context_parallel": context_parallel_metadata(cfg),
@@ -204,11 +205,11 @@ def job_metadata(cfg: JobConfig) -> dict:
 
 
 def fsdp_wrap_applied(cfg: JobConfig) -> str | None:
-    """The FSDP2 units the step applies: ``parallel.fsdp_wrap`` for the dense presets; the MoE presets'
-    (parallel/expert.py) are torchtitan-2024's; HF models have their own (parallel/hf.py), none of these."""
+    """The FSDP2 units the step applies: ``parallel.fsdp_wrap`` for the built-in presets (dense: parallel/fsdp.py,
+    MoE: parallel/expert.py); HF models have their own (parallel/hf.py), none of these."""
     if not fsdp_enabled(cfg) or cfg.model.family.logits is not None:
         return None
-    return "torchtitan-2024" if cfg.model.is_moe else cfg.parallel.fsdp_wrap
+    return cfg.parallel.fsdp_wrap
 
 
 def context_parallel_metadata(cfg: JobConfig) -> dict | None:

@@ -38,7 +38,7 @@ def test_family_of_args_prefers_the_exact_class():
 def test_model_help_lists_the_presets_per_family():
     assert registry.presets_help() == (
         "llama3-8b, llama3-70b, llama3-405b, llama-debug, llama-tiny; "
-        "MoE: mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, moe-debug, moe-tiny"
+        "MoE: mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, moe-debug, qwen3-moe-debug, deepseek-v3-debug, moe-tiny"
     )
 
 
@@ -69,6 +69,8 @@ def _scramble(model: torch.nn.Module) -> None:
     [
         (registry.LLAMA, PRESETS["llama-tiny"], 64 // 4),
         (registry.LLAMA, PRESETS["llama-tiny"].replace(rope="shared"), 64 // 4),
+        (registry.MOE, MOE_PRESETS["moe-tiny"], 64 // 4),
+        (registry.MOE, MOE_PRESETS["moe-tiny"].replace(rope="shared", moe_impl="torchtitan-2024"), 64 // 4),
         # MLA rotates only the decoupled rope part of each head
         (
             registry.MOE,
@@ -98,15 +100,25 @@ def test_initialiser_sets_norms_to_one_weights_to_the_dim_scale_and_recomputes_r
             weights.append(p.flatten())
     std = torch.cat(weights).std().item()
     assert std == pytest.approx(1 / math.sqrt(args.dim), rel=0.05)
-    # torchtitan 0.3.0's llama: one table per attention; its 2024 llama (rope: shared) and the MoE models: one.
-    per_layer = getattr(args, "rope", "shared") == "per-layer"
+    # torchtitan 0.3.0: one table per attention (MLA: of its rope part); its 2024 releases (rope: shared): one.
+    per_layer = args.rope == "per-layer"
     names = (
         [f"layers.{i}.attention.rope.cache" for i in range(args.n_layers)] if per_layer else ["rope_cache"]
     )
-    tables = dict(model.named_buffers())
-    assert sorted(tables) == sorted(names)
+    buffers = dict(model.named_buffers())
+    # torchtitan 0.3.0's MoE layers hold two fp32 load-balancing counters, both zero after initialisation.
+    counters = []
+    if getattr(args, "moe_impl", None) == "torchtitan":
+        counters = [
+            f"layers.{i}.moe.{name}"
+            for i in range(args.n_dense_layers, args.n_layers)
+            for name in ("expert_bias", "tokens_per_expert")
+        ]
+    assert sorted(buffers) == sorted(names + counters)
     for name in names:
-        assert torch.equal(tables[name], rope_cache(rope_dim, 32, args.rope_theta)), name
+        assert torch.equal(buffers[name], rope_cache(rope_dim, 32, args.rope_theta)), name
+    for name in counters:
+        assert torch.equal(buffers[name], torch.zeros(args.num_experts)), name
 
 
 def test_pipeline_cut_keeps_the_stage_modules():

@@ -100,8 +100,14 @@ def test_chunked_loss_holds_one_chunk_of_logits():
             {"training": {"ac": "selective", "ac_selective": "ops"}},
             "training.ac_selective: must be 'op', 'op-save-all-matmuls' or a positive layer interval, got 'ops'",
         ),
-        ({"model": {"name": "moe-tiny", "fuse_qkv": False}}, "model.fuse_qkv=False applies to dense models"),
-        ({"model": {"name": "moe-tiny", "rope": "shared"}}, "model.rope=shared applies to dense models"),
+        (
+            {"model": {"name": "deepseek-v3", "fuse_qkv": False}},
+            "model.fuse_qkv=False applies to grouped-query attention, 'deepseek-v3' has MLA",
+        ),
+        (
+            {"model": {"name": "llama-tiny", "moe_impl": "torchtitan-2024"}},
+            "model.moe_impl=torchtitan-2024 needs an MoE model",
+        ),
         ({"model": {"norm": "layer"}}, "model.norm"),
         (
             # one rank computing in fp32: no FSDP2 (its mixed-precision policy would apply it)
@@ -224,11 +230,19 @@ def test_the_report_metadata_states_the_preset_choices():
         "rope": "shared",
         "fsdp_wrap": "torchtitan-2024",
     }
-    # MoE presets: the norm is shared, q/k/v and RoPE are the MoE model's own, FSDP units parallel/expert.py's
+    # MoE presets make the same choices (their FSDP units are parallel/expert.py's), the old ones selectable too.
     assert meta({"model": {"name": "moe-tiny"}}) == {
         "loss": {"kind": "cross-entropy", "chunks": None},
         "norm": "fused",
-        "fuse_qkv": None,
-        "rope": None,
+        "fuse_qkv": True,
+        "rope": "per-layer",
+        "fsdp_wrap": "torchtitan",
+    }
+    old_moe = {"name": "moe-tiny", "fuse_qkv": False, "rope": "shared"}
+    assert meta({"model": old_moe, "parallel": {"fsdp_wrap": "torchtitan-2024"}}) == {
+        "loss": {"kind": "cross-entropy", "chunks": None},
+        "norm": "fused",
+        "fuse_qkv": False,
+        "rope": "shared",
         "fsdp_wrap": "torchtitan-2024",
     }

@@ -140,12 +140,17 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--fuse-qkv": (
         "model.fuse_qkv",
         _BOOL,
-        "one fused q/k/v projection, torchtitan 0.3.0's (dense models; on)",
+        "one fused q/k/v projection, torchtitan 0.3.0's (on; not MLA)",
     ),
     "--rope": (
         "model.rope",
         str,
-        "RoPE table: per-layer (torchtitan 0.3.0) or shared by all layers (its 2024 releases; dense models)",
+        "RoPE table: per-layer (torchtitan 0.3.0) or shared by all layers (its 2024 releases)",
+    ),
+    "--moe-impl": (
+        "model.moe_impl",
+        str,
+        "MoE router and token reordering: torchtitan (0.3.0) or torchtitan-2024 (scores before the experts)",
     ),
     "--fsdp-wrap": (
         "parallel.fsdp_wrap",

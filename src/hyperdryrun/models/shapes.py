@@ -98,6 +98,18 @@ class MoEArgs:
     tie_embeddings: bool = False
     norm: Literal["fused", "fp32-unfused"] = "fused"
     """RMSNorm kind, as the dense family's (:attr:`hyperdryrun.models.llama.LlamaArgs.norm`)."""
+    fuse_qkv: bool = True
+    """GQA: one ``wqkv`` projection split into q, k, v (torchtitan 0.3.0's qwen3) instead of ``wq``, ``wk``, ``wv``."""
+    rope: Literal["per-layer", "shared"] = "per-layer"
+    """RoPE table: one buffer per attention (torchtitan 0.3.0) or one of the model read by every layer (its 2024
+    MoE models)."""
+    rope_format: Literal["complex", "cos-sin"] = "complex"
+    """How the table is held and applied: complex ``freqs_cis`` (torchtitan's llama3 and deepseek_v3) or real
+    ``cos | sin`` rows with the rotate-half rotation in fp32 (its qwen3 ``CosSinRoPE``)."""
+    moe_impl: Literal["torchtitan", "torchtitan-2024"] = "torchtitan"
+    """Router and token reordering: ``torchtitan`` is 0.3.0's (gate under fp32 autocast, load-balancing buffers
+    ``expert_bias_E`` and ``tokens_per_expert_E``, a boolean routing map, scores applied to the experts' outputs);
+    ``torchtitan-2024`` the earlier one (fp32 cast of the gate's output, scores applied before the experts)."""
 
     @property
     def head_dim(self) -> int:
@@ -108,7 +120,9 @@ class MoEArgs:
         d, h = self.dim, self.n_heads
         if self.attention == "mla":
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-            q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk
+            q = d * h * qk  # one wq (q_lora_rank 0)
+            if self.q_lora_rank:
+                q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk
             kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
             kv += self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
             return q + kv + h * self.v_head_dim * d
@@ -146,7 +160,7 @@ MOE_PRESETS: dict[str, MoEArgs] = {
     "qwen3-30b-a3b": MoEArgs(
         dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144, vocab_size=151936,
         num_experts=128, top_k=8, moe_ffn_dim=768, head_dim_override=128, qk_norm=True,
-        rope_theta=1e6, norm_eps=1e-6, route_norm=True,
+        rope_theta=1e6, norm_eps=1e-6, route_norm=True, rope_format="cos-sin",
     ),
     "deepseek-v3": MoEArgs(
         dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_dim=18432, vocab_size=129280,
@@ -157,6 +171,19 @@ MOE_PRESETS: dict[str, MoEArgs] = {
     "moe-debug": MoEArgs(
         dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=512,
         num_experts=8, top_k=2, moe_ffn_dim=64, num_shared_experts=1, n_dense_layers=1,
+    ),
+    # torchtitan 0.3.0's qwen3 "debugmodel_moe" (--module qwen3 --config qwen3_moe_debug).
+    "qwen3-moe-debug": MoEArgs(
+        dim=256, n_layers=8, n_heads=16, n_kv_heads=8, ffn_dim=768, vocab_size=2048,
+        num_experts=64, top_k=8, moe_ffn_dim=768, head_dim_override=128, qk_norm=True,
+        rope_theta=1e6, norm_eps=1e-6, route_norm=True, rope_format="cos-sin",
+    ),
+    # torchtitan 0.3.0's deepseek_v3 "debugmodel" (--module deepseek_v3 --config deepseek_v3_debugmodel).
+    "deepseek-v3-debug": MoEArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=16, ffn_dim=1024, vocab_size=2048,
+        num_experts=8, top_k=3, moe_ffn_dim=256, num_shared_experts=2, n_dense_layers=1,
+        attention="mla", q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128,
     ),
     "moe-tiny": MoEArgs(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256,

@@ -51,11 +51,12 @@ class ExpertParallel:
     """Shard a :class:`GroupedExperts` on the expert dimension over ``ep`` and wrap its forward with all-to-all
     token dispatch and combine (torchtitan's ``ExpertParallel`` through ``distribute_module``)."""
 
-    def __init__(self, fqn: str, top_k: int) -> None:
-        self.fqn, self.top_k = fqn, top_k
+    def __init__(self, fqn: str, top_k: int, permute: str = "torchtitan") -> None:
+        self.fqn, self.top_k, self.permute = fqn, top_k, permute
         self.input_splits: list[int] = []
         self.output_splits: list[int] = []
         self.inverse: torch.Tensor | None = None
+        self.permuted: tuple[torch.Size, torch.Tensor] | None = None
 
     def apply(self, experts: nn.Module, ep_mesh: Any) -> nn.Module:
         from torch.distributed.tensor import distribute_module
@@ -105,6 +106,8 @@ class ExpertParallel:
         counts_group = all_to_all_single(counts, None, None, group)
         received = self._splits(counts, counts_group, routed_input.shape[0] // self.top_k, ep, me)
         routed_input = all_to_all_single_autograd(routed_input, self.output_splits, self.input_splits, group)
+        if self.permute == "torchtitan":
+            return self._permute(routed_input, counts_group, ep)
         # Received rows are ordered (source rank, local expert); the grouped GEMM wants expert-major order.
         local = len(received[0])
         starts, pos = [], 0
@@ -124,11 +127,39 @@ class ExpertParallel:
         tokens_per_local_expert = counts_group.view(ep, local).sum(dim=0)
         return routed_input[perm], tokens_per_local_expert
 
+    def _permute(
+        self, routed_input: torch.Tensor, counts_group: torch.Tensor, ep: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank-major rows to expert-major rows on the device, as torchtitan 0.3.0's
+        ``AllToAllTokenDispatcher._permute``: the permutation (int64, one per row) is kept for the combine."""
+        counts_group = counts_group.reshape(-1)
+        local = counts_group.shape[0] // ep
+        total = routed_input.shape[0]
+        t_mat = counts_group.view(ep, local)
+        input_starts = (counts_group.cumsum(0) - counts_group).view(ep, local)
+        segment_lens = t_mat.t().reshape(-1)
+        input_starts = input_starts.t().reshape(-1)
+        device = routed_input.device
+        seg_ids = torch.arange(segment_lens.shape[0], device=device).repeat_interleave(
+            segment_lens, output_size=total
+        )
+        output_starts = segment_lens.cumsum(0) - segment_lens
+        permuted = input_starts[seg_ids] + torch.arange(total, device=device) - output_starts[seg_ids]
+        self.permuted = (routed_input.shape, permuted)
+        return routed_input[permuted, :], t_mat.sum(0)
+
     def _combine(self, module: nn.Module, routed_output: torch.Tensor, mesh: Any) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-        unpermuted = routed_output[self.inverse]
-        self.inverse = None
+        if self.permuted is not None:
+            # torchtitan's _unpermute: an empty buffer written at the permuted rows.
+            shape, permuted = self.permuted
+            unpermuted = routed_output.new_empty(shape)
+            unpermuted[permuted, :] = routed_output
+            self.permuted = None
+        else:
+            unpermuted = routed_output[self.inverse]
+            self.inverse = None
         return all_to_all_single_autograd(unpermuted, self.input_splits, self.output_splits, mesh.get_group())
 
 
@@ -137,8 +168,8 @@ class ExpertTensorParallel(ExpertParallel):
     expert's hidden dimension over tp (w1/w3 column-wise, w2 row-wise). Tokens are replicated over tp, dispatched
     and combined over ep; the output is a partial sum over tp that the MoE output's reduce-scatter completes."""
 
-    def __init__(self, fqn: str, top_k: int, ep_mesh: Any, tp_mesh: Any) -> None:
-        super().__init__(fqn, top_k)
+    def __init__(self, fqn: str, top_k: int, ep_mesh: Any, tp_mesh: Any, permute: str = "torchtitan") -> None:
+        super().__init__(fqn, top_k, permute)
         self.ep_mesh, self.tp_mesh = ep_mesh, tp_mesh
 
     def apply(self, experts: nn.Module, ep_tp_mesh: Any) -> nn.Module:
@@ -219,13 +250,17 @@ def moe_block_tp_plan(block: nn.Module, seq: Any) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     if isinstance(block.attention, MLAttention):
-        projections: dict = {
-            f"attention.{name}": NoParallel() for name in ("wq_a", "q_norm", "wkv_a", "kv_norm")
-        }
-        projections["attention.wq_b"] = ColwiseParallel()
+        low_rank = [n for n in ("wq_a", "q_norm", "wkv_a", "kv_norm") if hasattr(block.attention, n)]
+        projections: dict = {f"attention.{name}": NoParallel() for name in low_rank}
+        # Per-head q: wq_b after the low-rank wq_a, or one wq when q_lora_rank is 0 (torchtitan's plan).
+        projections["attention.wq_b" if hasattr(block.attention, "wq_b") else "attention.wq"] = (
+            ColwiseParallel()
+        )
         projections["attention.wkv_b"] = ColwiseParallel()
     else:
-        projections = {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv")}
+        # The fused wqkv (torchtitan 0.3.0) holds whole KV groups per column shard, as the Llama block's does.
+        names = [n for n in ("wqkv", "wq", "wk", "wv") if hasattr(block.attention, n)]
+        projections = {f"attention.{name}": ColwiseParallel() for name in names}
     return decoder_block_tp_plan(block, seq, projections)
 
 
@@ -267,19 +302,113 @@ def apply_moe_tp(
         if ep_mesh is None:
             parallelize_module(block.moe.experts, tp_mesh, TensorParallel())
         else:
-            ExpertTensorParallel(fqn, top_k, ep_mesh, tp_mesh).apply(block.moe.experts, ep_tp_mesh)
+            impl = cfg.model.args().moe_impl
+            ExpertTensorParallel(fqn, top_k, ep_mesh, tp_mesh, impl).apply(block.moe.experts, ep_tp_mesh)
 
 
-def apply_ep(model: nn.Module, ep_mesh: Any, top_k: int) -> None:
-    """Expert parallel on every MoE layer's routed experts."""
+def apply_ep(model: nn.Module, ep_mesh: Any, top_k: int, permute: str = "torchtitan") -> None:
+    """Expert parallel on every MoE layer's routed experts; ``permute``: how received rows are put in expert
+    order (``torchtitan``: 0.3.0's device-side permutation, ``torchtitan-2024``: host-built index lists)."""
     for name, block in model.layers.items():
         if getattr(block, "moe", None) is not None:
-            ExpertParallel(f"layers.{name}.moe.experts", top_k).apply(block.moe.experts, ep_mesh)
+            ExpertParallel(f"layers.{name}.moe.experts", top_k, permute).apply(block.moe.experts, ep_mesh)
 
 
 def apply_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig) -> None:
-    """FSDP2 as :func:`hyperdryrun.parallel.fsdp.apply_fsdp`, with the routed experts wrapped first over
-    ``expert_mesh`` when EP is on (torchtitan: experts over ``dp_shard_mod_ep``, the rest over ``dp_shard``)."""
+    """FSDP2 units of the MoE model as ``parallel.fsdp_wrap`` names them: torchtitan 0.3.0's
+    (:func:`_torchtitan_moe_fsdp`) or its 2024 releases' (:func:`_torchtitan_2024_moe_fsdp`)."""
+    if cfg.parallel.fsdp_wrap == "torchtitan":
+        _torchtitan_moe_fsdp(model, dp_mesh, expert_mesh, cfg)
+    else:
+        _torchtitan_2024_moe_fsdp(model, dp_mesh, expert_mesh, cfg)
+
+
+def _torchtitan_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig) -> None:
+    """torchtitan 0.3.0's ``apply_fsdp_to_decoder``: the embedding and each block are units (the dense units of
+    :func:`hyperdryrun.parallel.fsdp.apply_fsdp`), norm + head one unit kept unsharded after forward; a block's
+    routed experts are in the block's unit, sharded on the expert dimension (on their hidden dimension when the
+    expert-sharding ranks outnumber the experts) and, under EP, over ``expert_mesh`` while the rest of the block is
+    over ``dp_mesh``. Under EP, each block prefetches the next one's parameters in forward and the previous one's
+    in backward, as torchtitan sets."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import Shard
+
+    p = cfg.parallel
+    config = {"mesh": dp_mesh, "mp_policy": mixed_precision(cfg)}
+    blocks_reshard = p.reshard_after_forward and p.pp == 1
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if model.args.tie_embeddings:
+        units = [m for m in (model.tok_embeddings, *head) if m is not None]
+        fully_shard(units, **config, reshard_after_forward=False)
+    else:
+        if model.tok_embeddings is not None:
+            fully_shard(model.tok_embeddings, **config, reshard_after_forward=blocks_reshard)
+        if len(head) == 2:
+            fully_shard(head, **config, reshard_after_forward=False)
+    for block in model.layers.values():
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        moe = getattr(inner, "moe", None)
+        placement_fn = None
+        if moe is not None:
+            experts = set(moe.experts.parameters())
+            # torchtitan: efsdp x ep ranks (dp_shard) under EP, else every rank of the FSDP mesh.
+            sharders = p.dp_shard if expert_mesh is not None else dp_mesh.size()
+            placement = Shard(1) if sharders > moe.experts.num_experts else Shard(0)
+            if expert_mesh is not None:
+                placement_fn = _expert_mesh_placement(experts, placement, expert_mesh, dp_mesh)
+            elif placement == Shard(1):
+                placement_fn = lambda param, _e=experts: Shard(1) if param in _e else None  # noqa: E731
+        fully_shard(block, **config, reshard_after_forward=blocks_reshard, shard_placement_fn=placement_fn)
+    fully_shard(model, **config)
+    # torchtitan's disable_fsdp_gradient_division: it scales gradients by the global token count itself. FSDP2
+    # then reduces with PREMUL_SUM(1), and over a mesh of one rank (experts under ep = dp_shard) copies
+    # ``input / 1`` out: a gradient-sized temporary.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    if expert_mesh is None:
+        return
+    blocks = list(model.layers.values())
+    if model.tok_embeddings is not None and blocks:
+        model.tok_embeddings.set_modules_to_forward_prefetch([blocks[0]])
+    for block, nxt in zip(blocks, [*blocks[1:], None]):
+        if nxt is not None:
+            block.set_modules_to_forward_prefetch([nxt])
+        elif len(head) == 2:
+            block.set_modules_to_forward_prefetch(head)
+    backward = list(reversed(blocks))
+    if len(head) == 2 and blocks:
+        model.output.set_modules_to_backward_prefetch([backward[0]])
+    for block, prev in zip(backward, [*backward[1:], None]):
+        if prev is not None:
+            block.set_modules_to_backward_prefetch([prev])
+        elif model.tok_embeddings is not None:
+            block.set_modules_to_backward_prefetch([model.tok_embeddings])
+
+
+def _expert_mesh_placement(experts: set, placement: Any, expert_mesh: Any, dp_mesh: Any) -> Any:
+    """FSDP2's per-parameter mesh in one unit (torch 2.13 ``ShardPlacementResult``, as torchtitan 0.3.0 uses it):
+    routed experts over ``expert_mesh``, every other parameter of the block on dim 0 over ``dp_mesh``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+
+    expert_info, dp_info = _get_mesh_info(expert_mesh, None), _get_mesh_info(dp_mesh, None)
+
+    def place(param: nn.Parameter) -> Any:
+        if param in experts:
+            return ShardPlacementResult(placement=placement, mesh_info=expert_info)
+        return ShardPlacementResult(placement=Shard(0), mesh_info=dp_info)
+
+    return place
+
+
+def _torchtitan_2024_moe_fsdp(
+    model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig
+) -> None:
+    """The 2024 units: each block (the last one kept unsharded after forward) and the root, with the routed experts
+    wrapped first over ``expert_mesh`` when EP is on (experts over ``dp_shard_mod_ep``, the rest over
+    ``dp_shard``)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
@@ -317,7 +446,8 @@ def parallelize_moe(model: nn.Module, mesh: Any, cfg: JobConfig) -> nn.Module:
         apply_tp(model, mesh["tp"], cfg, moe_block_tp_plan)
         apply_moe_tp(model, mesh["tp"], ep_mesh, ep_tp_mesh, cfg)
     elif ep_mesh is not None:
-        apply_ep(model, ep_mesh, cfg.model.args().top_k)
+        args = cfg.model.args()
+        apply_ep(model, ep_mesh, args.top_k, args.moe_impl)
     apply_ac(model, cfg.training.ac, cfg.training.ac_selective)
     if fsdp_enabled(cfg):
         apply_moe_fsdp(model, fsdp_mesh(mesh, cfg), expert_mesh, cfg)

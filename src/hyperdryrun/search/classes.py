@@ -78,18 +78,24 @@ def _attention(args: Any, moe: bool) -> list[tuple[str, tuple[int, ...], int | N
     d, h = args.dim, args.n_heads
     if moe and args.attention == "mla":
         qk = args.qk_nope_head_dim + args.qk_rope_head_dim
+        if args.q_lora_rank:
+            q = [
+                *_linear("attention.wq_a", args.q_lora_rank, d, None),
+                *_norm("attention.q_norm", args.q_lora_rank),
+                *_linear("attention.wq_b", h * qk, args.q_lora_rank, 0),
+            ]
+        else:
+            q = _linear("attention.wq", h * qk, d, 0)
         return [
-            *_linear("attention.wq_a", args.q_lora_rank, d, None),
-            *_norm("attention.q_norm", args.q_lora_rank),
-            *_linear("attention.wq_b", h * qk, args.q_lora_rank, 0),
+            *q,
             *_linear("attention.wkv_a", args.kv_lora_rank + args.qk_rope_head_dim, d, None),
             *_norm("attention.kv_norm", args.kv_lora_rank),
             *_linear("attention.wkv_b", h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank, 0),
             *_linear("attention.wo", d, h * args.v_head_dim, 1),
         ]
     hd, kv = args.head_dim, args.n_kv_heads
-    if not moe and args.fuse_qkv:
-        # One projection laid out by KV group, so a colwise TP shard holds whole groups (models/llama.py).
+    if args.fuse_qkv:
+        # One projection laid out by KV group, so a colwise TP shard holds whole groups (models/llama.py, moe.py).
         qkv = _linear("attention.wqkv", (h + 2 * kv) * hd, d, 0)
     else:
         qkv = [
@@ -135,7 +141,8 @@ def layer_params(cfg: JobConfig, layer: int) -> list[ParamSpec]:
 def _expert_params(cfg: JobConfig) -> list[ParamSpec]:
     """Routed experts (E, hidden, dim) / (E, dim, hidden): EP on the expert dim, TP on the hidden dim (torchtitan's
     ``TensorParallel`` / ``ExpertTensorParallel``), FSDP2 over ``dp_shard`` (ep = 1) or ``dp_shard / ep`` on the
-    expert dim, or on dim 1 when there are fewer local experts than FSDP ranks (``apply_moe_fsdp``)."""
+    expert dim, or on dim 1 when the ranks sharding them outnumber the experts (``apply_moe_fsdp``: ep x efsdp with
+    EP; without EP, torchtitan 0.3.0's units compare every FSDP rank, its 2024 units never shard on dim 1)."""
     from hyperdryrun.parallel.fsdp import fsdp_enabled
 
     args, p = cfg.model.args(), cfg.parallel
@@ -152,7 +159,8 @@ def _expert_params(cfg: JobConfig) -> list[ParamSpec]:
                 efsdp = p.dp_shard // p.ep
                 splits.append(("efsdp", 1 if efsdp * p.ep > e else 0))
             else:
-                splits.append(("fsdp", 0))
+                ranks = p.dp_replicate * p.dp_shard * p.cp
+                splits.append(("fsdp", 1 if p.fsdp_wrap == "torchtitan" and ranks > e else 0))
         out.append(ParamSpec(f"moe.experts.{name}", shape, tuple(splits)))
     return out
 

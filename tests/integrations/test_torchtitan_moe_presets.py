@@ -1,0 +1,142 @@
+"""The built-in qwen3-moe-debug and deepseek-v3-debug presets against torchtitan 0.3.0's own ``--module qwen3
+--config qwen3_moe_debug`` (its ``debugmodel_moe``: 8 MoE layers, 64 experts, top 8, GQA) and ``--module deepseek_v3
+--config deepseek_v3_debugmodel`` (6 layers, the first dense, MLA, 8 routed experts, top 3, 2 shared) on the same
+layout, seq 4096, rank 0: every category at the peak but activations (and torchtitan's position tensor) is equal to
+the byte, the rest is derived; the peaks agree within 0.1% except deepseek-v3-debug under op SAC (0.17%, all of it
+FlexAttention's logsumexp, 5 x 261,120 B on a 0.8 GB peak).
+
+Both sides run the same job: torchtitan's chunked loss is ``--loss chunked``, its fused AdamW ``--optimizer-impl
+fused``, torchtitan runs with ``--training.disable_cuda_graphs``; the router's fp32 autocast is the same code on both
+sides. What remains is the attention kernel, torchtitan's FlexAttention against the built-in's SDPA (cuDNN on the
+default H100 kernels), and the tensors FlexAttention's document masking needs. Each case states the exact byte
+difference it measured, derived below."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip(
+    "torchtitan", reason="torchtitan is not installed (pip install 'hyperdryrun[torchtitan]')"
+)
+
+from hyperdryrun.config import build_config  # noqa: E402
+from hyperdryrun.integrations.torchtitan import simulate_torchtitan  # noqa: E402
+from hyperdryrun.recipe import run_job  # noqa: E402
+from hyperdryrun.report.build import alive_at, breakdown  # noqa: E402
+
+SEQ, HEADS = 4096, 16
+LSE = HEADS * SEQ * 4
+"""FlexAttention's logsumexp, fp32 (batch 1, 16 heads, 4096 positions): 262,144 B, saved once more per layer than
+cuDNN's stats under the op SAC policy."""
+PHILOX = 2 * 512
+"""cuDNN SDPA's philox seed and offset (two 512 B blocks per layer) that FlexAttention does not make."""
+FLEX_INPUTS = 4 * 512 + 4 * 4096 + 16_896 + 16_384 + 512
+"""Alive on torchtitan's side for the whole step: the BlockMask (32 x 32 blocks of 128: four int32 count tensors
+of 128 B and four int32 index tensors of 4,096 B), the document mask_mod's int32 [1, 4097] (16,388 B, 16,896
+allocated) and int32 [1, 4096], and the valid-token all-reduce's scalar (the built-in's loss division scalar stands
+for torchtitan's loss addition scalar)."""
+POSITIONS = SEQ * 8
+"""torchtitan's int64 positions [1, 4096], created outside any module (category Other)."""
+
+
+def titan_trace(module: str, config: str, world: int, ep: int, ac: str):
+    argv = ["--module", module, "--config", config, "--training.seq_len", str(SEQ)]
+    argv += ["--training.local_batch_size", "1", "--training.disable_cuda_graphs"]
+    argv += ["--parallelism.data_parallel_shard_degree", str(world)]
+    argv += ["--parallelism.expert_parallel_degree", str(ep), f"activation-checkpoint:{ac}"]
+    return simulate_torchtitan(argv, world_size=world, capture_stacks=False)
+
+
+def builtin_trace(preset: str, world: int, ep: int, ac: str):
+    cfg = build_config(
+        {
+            "model": {"name": preset},
+            "world": {"world_size": world},
+            "parallel": {"dp_shard": world, "ep": ep},
+            "training": {"seq_len": SEQ, "loss": "chunked", "optimizer_impl": "fused", "ac": ac},
+        }
+    )
+    return run_job(cfg, capture_stacks=False)
+
+
+def at_peak(trace) -> dict[str, int]:
+    return breakdown(alive_at(trace.blocks, trace.peak_task))
+
+
+QWEN3 = ("qwen3", "qwen3_moe_debug", "qwen3-moe-debug")
+DEEPSEEK = ("deepseek_v3", "deepseek_v3_debugmodel", "deepseek-v3-debug")
+
+
+@pytest.mark.parametrize(
+    "model, world, ep, ac, saved_layers, cudnn_layers, within",
+    [
+        # No AC: the same saved bytes per layer but cuDNN's philox pair, in every layer.
+        pytest.param(QWEN3, 2, 2, "none", 0, 8, 1000, id="qwen3-fsdp2-ep2-no-ac"),
+        # Op SAC, peak in the last layer's backward: layers 0-5 hold FlexAttention's extra logsumexp, layer 6
+        # (recomputed at the peak) the same bytes but cuDNN's philox pair. Experts: EP 2, unsharded by FSDP2
+        # (efsdp 1), or sharded over efsdp 2 in the block's unit while the rest is sharded over 4.
+        pytest.param(QWEN3, 2, 2, "selective", 6, 1, 1000, id="qwen3-fsdp2-ep2-op-sac"),
+        pytest.param(QWEN3, 4, 2, "selective", 6, 1, 1000, id="qwen3-fsdp4-ep2-op-sac"),
+        # No EP (torchtitan's LocalTokenDispatcher): the peak comes earlier in backward, with one fully saved layer.
+        pytest.param(QWEN3, 2, 1, "selective", 1, 1, 1000, id="qwen3-fsdp2-op-sac"),
+        # MLA (q_lora_rank 0: one wq), a dense first layer, two shared experts, a complex RoPE table per layer.
+        pytest.param(DEEPSEEK, 2, 2, "none", 0, 6, 1000, id="deepseek-fsdp2-ep2-no-ac"),
+        # Layers 0-4 hold FlexAttention's extra logsumexp: 0.17% of this small model's peak.
+        pytest.param(DEEPSEEK, 4, 2, "selective", 5, 1, 500, id="deepseek-fsdp4-ep2-op-sac"),
+    ],
+)
+def test_builtin_moe_preset_equals_torchtitans_moe_model(
+    model, world, ep, ac, saved_layers, cudnn_layers, within
+):
+    module, config, preset = model
+    titan, builtin = titan_trace(module, config, world, ep, ac), builtin_trace(preset, world, ep, ac)
+    t, b = at_peak(titan), at_peak(builtin)
+    for category in ("Parameter", "Buffer", "Gradient", "Optstate", "Temp"):
+        assert t.get(category, 0) == b.get(category, 0), (category, t, b)
+    activations = saved_layers * (LSE - PHILOX) - cudnn_layers * PHILOX + FLEX_INPUTS
+    assert t["Activation"] - b["Activation"] == activations, (t, b)
+    assert t["Other"] - b["Other"] == POSITIONS, (t, b)
+    assert titan.peak - builtin.peak == activations + POSITIONS, (titan.peak, builtin.peak)
+    assert abs(titan.peak - builtin.peak) <= titan.peak // within
+
+
+def small_job(model: dict, fsdp_wrap: str | None = None):
+    parallel = {"dp_shard": 2, "ep": 2, **({"fsdp_wrap": fsdp_wrap} if fsdp_wrap else {})}
+    cfg = build_config(
+        {
+            "model": {"name": "qwen3-moe-debug", **model},
+            "world": {"world_size": 2},
+            "parallel": parallel,
+            "training": {"seq_len": 512, "optimizer_impl": "fused"},
+        }
+    )
+    return run_job(cfg, capture_stacks=False)
+
+
+def buffer_bytes(trace) -> int:
+    return sum(blk.size for blk in trace.blocks if str(blk.category) == "Buffer")
+
+
+def test_old_moe_structure_stays_selectable():
+    """--no-fuse-qkv, --rope shared, --moe-impl torchtitan-2024 and --fsdp-wrap torchtitan-2024 give the earlier
+    model: three projections and one RoPE table (no per-layer buffers, no load-balancing buffers); the default is
+    torchtitan 0.3.0's, whose buffers are a cos|sin table per attention and two fp32 counters per MoE layer."""
+    new = small_job({})
+    assert (new.metadata["fuse_qkv"], new.metadata["rope"], new.metadata["moe_impl"]) == (
+        True,
+        "per-layer",
+        "torchtitan",
+    )
+    assert new.metadata["fsdp_wrap"] == "torchtitan"
+    # 8 layers x (fp32 [512, 2 x 128] cos|sin table + expert_bias and tokens_per_expert, fp32 [64] each: 512 B).
+    assert buffer_bytes(new) == 8 * (512 * 256 * 4 + 2 * 512)
+    old = small_job({"fuse_qkv": False, "rope": "shared", "moe_impl": "torchtitan-2024"}, "torchtitan-2024")
+    meta = old.metadata
+    assert (meta["fuse_qkv"], meta["rope"], meta["moe_impl"], meta["fsdp_wrap"]) == (
+        False,
+        "shared",
+        "torchtitan-2024",
+        "torchtitan-2024",
+    )
+    # One complex RoPE table of 512 rows x 64 pairs (8 B each) for the model, nothing else buffered.
+    assert buffer_bytes(old) == 512 * 64 * 8
