@@ -79,6 +79,24 @@ def test_blas_workspaces_follow_torch_2_13_for_the_architecture(name):
     assert (gpu.blas_workspace_bytes, gpu.blaslt_workspace_bytes) == BLAS_WORKSPACE[name]
 
 
+@pytest.mark.parametrize(
+    "release, thirty_two_mib",
+    [
+        # read from each release's PyPI build, at::cuda::parseChosenWorkspaceSize() (libtorch_cuda.so disassembled)
+        ((2, 11), {9}),  # cmpq $0x9, major
+        ((2, 12), {9, 10, 12}),  # major - 9 <= 1 || major == 12 (pytorch/pytorch#175344)
+        ((2, 13), {9, 10, 12}),
+        ((2, 14), {9, 10, 11, 12}),  # major - 9 < 4
+    ],
+)
+def test_the_cublas_workspace_default_by_release_and_architecture(release, thirty_two_mib):
+    from hyperdryrun.compat.torch_cublas import cublas_workspace_bytes
+
+    for major in (7, 8, 9, 10, 11, 12):
+        expected = 32 * 1024 * 1024 if major in thirty_two_mib else 2 * 4096 * 1024 + 8 * 16 * 1024
+        assert cublas_workspace_bytes((major, 0), release) == expected, major
+
+
 def test_every_preset_has_nccls_default_4_mib_buffer_and_states_its_architecture():
     assert set(GPU_PRESETS) == set(TOTAL_MEMORY)
     for gpu in GPU_PRESETS.values():
