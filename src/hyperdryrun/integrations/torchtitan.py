@@ -31,6 +31,7 @@ from torch import nn
 
 from hyperdryrun.compat import torch_fsdp
 from hyperdryrun.compat import torchtitan as titan_compat
+from hyperdryrun.compat import torchtitan_families as families
 from hyperdryrun.compat.torchtitan import TESTED_VERSION, torchtitan_version
 from hyperdryrun.compat.versions import torch_version
 from hyperdryrun.patches import Patch, PatchSet
@@ -59,7 +60,7 @@ def load_config(argv: Sequence[str]) -> Any:
     titan_logger.setLevel(logging.ERROR)
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stderr(printed):
+        with contextlib.redirect_stderr(printed), families.torchvision_stand_in():
             return ConfigManager().parse_args(list(argv))
     except SystemExit as err:  # tyro printed why, in a box
         if err.code == 0:  # torchtitan's --help, printed
@@ -85,7 +86,8 @@ def _missing_dependency(argv: Sequence[str]) -> str | None:
         return None
     module = names[-1]
     try:
-        importlib.import_module(f"torchtitan.models.{module}.config_registry")
+        with families.torchvision_stand_in():
+            importlib.import_module(f"torchtitan.models.{module}.config_registry")
     except ModuleNotFoundError as err:
         if err.name and not err.name.startswith("torchtitan"):
             return f"torchtitan's {module!r} models import {err.name!r}, which is not installed (got --module {module})"
@@ -243,6 +245,13 @@ class TorchtitanJob:
                 f"parallelism.spmd_backend='spmd_types' shards parameters through fully_shard support for "
                 f"spmd_types annotations (pytorch/pytorch#181519) that torch {torch_version()} lacks"
             )
+            if families.dist_muon_groups(config):
+                raise TorchtitanError(
+                    "--optimizer: this config optimizes with torchtitan's DistMuon, whose compute layouts name "
+                    f"the 'dp_shard' mesh axis that only spmd_types builds, and {why}; with partial_dtensor "
+                    "DistMuon refuses FSDP's mesh "
+                    "(\"declares no axis in storage mesh ['fsdp']\"), also on GPUs"
+                )
             if _flag_given(self.argv, SPMD_BACKEND_FLAGS):
                 raise TorchtitanError(
                     f"parallelism.spmd_backend (--parallelism.spmd_backend): {why}; use partial_dtensor"
@@ -296,6 +305,13 @@ class TorchtitanJob:
         if self.attention is not None:
             self._use_attention(model_config)
         self._moe_limitations(dims, model_config)
+        if families.fla_layers(model_config) and not self.real:
+            self.limitations.append(
+                f"Gated DeltaNet layers {families.fla_layers(model_config)}: fla's Triton kernels "
+                f"({families.FLA_KERNEL}) are not run; their memory is the outputs and intermediates fla allocates "
+                "with torch (sized by the block sizes fla picks without a GPU); Triton's autotuning copies on a "
+                "first step are not counted"
+            )
         if config.compile.enable_async_tensor_parallel and dims.tp_enabled:
             self.limitations.append(
                 "compile.enable_async_tensor_parallel: async TP is Inductor's micro-pipeline pass over compiled "
@@ -671,14 +687,19 @@ class TorchtitanJob:
         optimizers.zero_grad = zero_grad
 
     def make_batch(self, i: int, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Micro batch ``i`` as torchtitan's text data loader yields it: input tokens, positions, labels."""
+        """Micro batch ``i`` as torchtitan's text data loader yields it: input tokens, positions, labels (and, for
+        a multimodal tokenizer, the fields its collator adds to a batch without images)."""
         t = self.config.training
         vocab = self.config.model_spec.model.vocab_size
         shape = (self._micro_batch_size(), t.seq_len)
         tokens = torch.randint(0, vocab, shape, device=device)
         positions = torch.arange(t.seq_len, device=device).repeat(shape[0], 1)
         labels = torch.randint(0, vocab, shape, device=device)
-        return {"input": tokens, "positions": positions}, labels
+        return {
+            "input": tokens,
+            "positions": positions,
+            **families.multimodal_batch_fields(self.config),
+        }, labels
 
     def step(self, model: nn.Module, optimizers: Any, batches: Iterator[Any]) -> None:
         """``Trainer.train_step`` on a trainer that holds this job's parts (no metrics, no checkpointer)."""
@@ -857,7 +878,7 @@ def torchtitan_job(
         PatchSet(
             _device_patches(device)
             + _titan_patches(real)
-            + (defined_count_exchange() if real else _routing_patches())
+            + (defined_count_exchange() if real else _routing_patches() + families.triton_launch_patches())
         ),
     ):
         job.prepare()
