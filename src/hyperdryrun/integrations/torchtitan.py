@@ -60,7 +60,8 @@ def load_config(argv: Sequence[str]) -> Any:
     titan_logger.setLevel(logging.ERROR)
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stderr(printed), families.torchvision_stand_in():
+        _import_registry(argv)
+        with contextlib.redirect_stderr(printed):
             return ConfigManager().parse_args(list(argv))
     except SystemExit as err:  # tyro printed why, in a box
         if err.code == 0:  # torchtitan's --help, printed
@@ -74,17 +75,44 @@ def load_config(argv: Sequence[str]) -> Any:
         titan_logger.setLevel(level)
 
 
-def _missing_dependency(argv: Sequence[str]) -> str | None:
-    """Why torchtitan's ``--module`` config registry did not import, when a package it needs is not installed:
-    torchtitan 0.3.0's ConfigManager swallows the ImportError ("Cannot import config_registry for module ...").
-    E.g. qwen3_5 needs ``fla`` (flash-linear-attention, Triton kernels), kimi_k2_7 ``torchvision``."""
-    import importlib
-
+def _module_name(argv: Sequence[str]) -> str | None:
+    """The ``--module`` of torchtitan's command line, when it is a plain name."""
     names = [a.split("=", 1)[1] for a in argv if a.startswith("--module=")]
     names += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--module"]
     if not names or not names[-1].replace("_", "").isalnum():
         return None
-    module = names[-1]
+    return names[-1]
+
+
+def _import_registry(argv: Sequence[str]) -> None:
+    """Import the ``--module``'s config registry before torchtitan's ConfigManager does; where it stops at the
+    missing torchvision (qwen3_5, kimi_k2_7: the multimodal data loader), again with torchvision stood in for
+    (:func:`hyperdryrun.compat.torchtitan_families.torchvision_stand_in`). Other failures: ConfigManager's."""
+    import importlib
+
+    module = _module_name(argv)
+    if module is None:
+        return
+    registry = f"torchtitan.models.{module}.config_registry"
+    try:
+        importlib.import_module(registry)
+    except ModuleNotFoundError as err:
+        if err.name == "torchvision":
+            with contextlib.suppress(Exception), families.torchvision_stand_in():
+                importlib.import_module(registry)
+    except Exception:  # noqa: BLE001  (ConfigManager imports it again and says why)
+        return
+
+
+def _missing_dependency(argv: Sequence[str]) -> str | None:
+    """Why torchtitan's ``--module`` config registry did not import, when a package it needs is not installed:
+    torchtitan 0.3.0's ConfigManager swallows the ImportError ("Cannot import config_registry for module ...").
+    E.g. qwen3_5 needs ``fla`` (flash-linear-attention, Triton kernels)."""
+    import importlib
+
+    module = _module_name(argv)
+    if module is None:
+        return None
     try:
         with families.torchvision_stand_in():
             importlib.import_module(f"torchtitan.models.{module}.config_registry")
