@@ -49,11 +49,14 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def qwen35_dry():
+    from fla.ops.common import chunk_o
     from triton.runtime.jit import KernelInterface
 
     launcher = KernelInterface.__dict__["__getitem__"]
     modules = {name: sys.modules.get(name) for name in ("torchvision", "torchvision.io")}
+    shared_mem = chunk_o.check_shared_mem
     trace = simulate_torchtitan(QWEN35, world_size=WORLD, rank=0, attention="sdpa", capture_stacks=False)
+    assert chunk_o.check_shared_mem is shared_mem
     return trace, launcher, modules
 
 
@@ -77,6 +80,23 @@ def test_qwen35_deltanet_kernel_holds_the_tensors_fla_allocates_for_its_triton_k
     assert made.count(("empty_like", TOKENS * value_heads * key_dim * BF16)) >= 2  # l2norm(q), l2norm(k)
     said = [x for x in trace.limitations if x.startswith("Gated DeltaNet layers [0, 1, 2]")]
     assert len(said) == 1 and "fla" in said[0]
+
+
+@needs_fla
+def test_qwen35_deltanet_gate_gradient_buffer_is_sized_for_a_hopper_tile(qwen35_dry):
+    """fla's chunk_bwd_dqkwg allocates dg as ceil(key_head_dim / tile) fp32 copies of the gate (tokens x value
+    heads); an H100's 232,448 B of shared memory give a 128-wide tile, so one copy for key_head_dim 64 (fla's own
+    answer without a GPU, a 32-wide tile, would make two)."""
+    trace, _, _ = qwen35_dry
+    delta_net = load_config(QWEN35).model_spec.model.layers[0].delta_net
+    assert delta_net.key_head_dim <= 128
+    value_heads = delta_net.in_proj_v.out_features // delta_net.value_head_dim
+    made = [
+        b.size
+        for b in trace.blocks
+        if b.module == "layers.0.attn.kernel" and str(b.phase) == "backward" and b.op == "empty"
+    ]
+    assert TOKENS * value_heads * FP32 in made and 2 * TOKENS * value_heads * FP32 not in made
 
 
 @needs_fla

@@ -136,6 +136,35 @@ def triton_launch_patches() -> list[Patch]:
     ]
 
 
+HOPPER_SHARED_MEMORY = 232448
+"""Bytes of shared memory a block of an H100, H200 or B200 may use: fla's ``Backend.HOPPER``."""
+
+
+def fla_block_size_patches() -> list[Patch]:
+    """fla sizes one buffer by the GPU's shared memory: ``chunk_bwd_dqkwg`` (``fla/ops/common/chunk_o.py``) tiles K
+    by 128 on a Hopper GPU and by 32 where ``check_shared_mem`` finds no GPU, and allocates ``dg`` as
+    ``ceil(K / tile)`` fp32 copies of the gate. It answers as an H100, H200 or B200 (the dry run's default
+    target is an H100); an A100's tile may differ. [] without fla."""
+    try:
+        from fla.ops.common import chunk_o
+        from fla.utils.hardware import Backend
+    except ImportError:
+        return []
+
+    def check_shared_mem(arch: str = "none", tensor_idx: int = 0) -> bool:
+        return HOPPER_SHARED_MEMORY >= Backend.get_shared_memory(arch)
+
+    return [
+        Patch(
+            chunk_o,
+            "check_shared_mem",
+            check_shared_mem,
+            "fla 0.6.0's check_shared_mem reads the GPU's shared memory through triton's driver and answers False "
+            "without a GPU, which sizes chunk_bwd_dqkwg's dg for a 32-wide K tile; answered as an H100/H200/B200",
+        )
+    ]
+
+
 def fla_layers(model_config: Any, n_layers: int | None = None) -> list[int]:
     """The layers (of the first ``n_layers``) whose token mixer is qwen3_5's Gated DeltaNet (fla's kernels)."""
     layers = list(getattr(model_config, "layers", []) or [])[:n_layers]

@@ -337,7 +337,8 @@ class TorchtitanJob:
             self.limitations.append(
                 f"Gated DeltaNet layers {families.fla_layers(model_config)}: fla's Triton kernels "
                 f"({families.FLA_KERNEL}) are not run; their memory is the outputs and intermediates fla allocates "
-                "with torch (sized by the block sizes fla picks without a GPU); Triton's autotuning copies on a "
+                "with torch (sized as on an H100, H200 or B200: 232,448 B of shared memory per block; on an A100 "
+                "one gradient buffer may be sized differently); Triton's autotuning copies on a "
                 "first step are not counted"
             )
         if config.compile.enable_async_tensor_parallel and dims.tp_enabled:
@@ -906,7 +907,11 @@ def torchtitan_job(
         PatchSet(
             _device_patches(device)
             + _titan_patches(real)
-            + (defined_count_exchange() if real else _routing_patches() + families.triton_launch_patches())
+            + (
+                defined_count_exchange()
+                if real
+                else _routing_patches() + families.triton_launch_patches() + families.fla_block_size_patches()
+            )
         ),
     ):
         job.prepare()
