@@ -144,7 +144,10 @@ def fla_block_size_patches() -> list[Patch]:
     """fla sizes one buffer by the GPU's shared memory: ``chunk_bwd_dqkwg`` (``fla/ops/common/chunk_o.py``) tiles K
     by 128 on a Hopper GPU and by 32 where ``check_shared_mem`` finds no GPU, and allocates ``dg`` as
     ``ceil(K / tile)`` fp32 copies of the gate. It answers as an H100, H200 or B200 (the dry run's default
-    target is an H100); an A100's tile may differ. [] without fla."""
+    target is an H100); an A100's tile may differ. [] where no model imported fla (importing it warns and costs
+    seconds)."""
+    if "fla" not in sys.modules:
+        return []
     try:
         from fla.ops.common import chunk_o
         from fla.utils.hardware import Backend

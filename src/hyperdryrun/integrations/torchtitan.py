@@ -23,6 +23,7 @@ import dataclasses
 import io
 import logging
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Required, TypedDict, Unpack
 
@@ -94,14 +95,18 @@ def _import_registry(argv: Sequence[str]) -> None:
     if module is None:
         return
     registry = f"torchtitan.models.{module}.config_registry"
-    try:
-        importlib.import_module(registry)
-    except ModuleNotFoundError as err:
-        if err.name == "torchvision":
-            with contextlib.suppress(Exception), families.torchvision_stand_in():
-                importlib.import_module(registry)
-    except Exception:  # noqa: BLE001  (ConfigManager imports it again and says why)
-        return
+    with (
+        warnings.catch_warnings()
+    ):  # fla on import: "Triton is not supported on current platform" (no GPU here)
+        warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+        try:
+            importlib.import_module(registry)
+        except ModuleNotFoundError as err:
+            if err.name == "torchvision":
+                with contextlib.suppress(Exception), families.torchvision_stand_in():
+                    importlib.import_module(registry)
+        except Exception:  # noqa: BLE001  (ConfigManager imports it again and says why)
+            return
 
 
 def _missing_dependency(argv: Sequence[str]) -> str | None:
@@ -907,15 +912,12 @@ def torchtitan_job(
         PatchSet(
             _device_patches(device)
             + _titan_patches(real)
-            + (
-                defined_count_exchange()
-                if real
-                else _routing_patches() + families.triton_launch_patches() + families.fla_block_size_patches()
-            )
+            + (defined_count_exchange() if real else _routing_patches() + families.triton_launch_patches())
         ),
     ):
         job.prepare()
-        yield job
+        with PatchSet([] if real else families.fla_block_size_patches()):  # the model's imports are done
+            yield job
 
 
 def simulate_torchtitan(
