@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Required, TypedDict, Unpack
 
@@ -33,6 +34,7 @@ from torch import nn
 
 from hyperdryrun.compat import torch_fsdp
 from hyperdryrun.compat import torchtitan as titan_compat
+from hyperdryrun.compat import torchtitan_families as families
 from hyperdryrun.compat.torchtitan import TESTED_VERSION, torchtitan_version
 from hyperdryrun.compat.versions import torch_version
 from hyperdryrun.config import ConfigError
@@ -63,6 +65,7 @@ def load_config(argv: Sequence[str]) -> Any:
     titan_logger.setLevel(logging.ERROR)
     printed = io.StringIO()
     try:
+        _import_registry(argv)
         with contextlib.redirect_stderr(printed):
             return ConfigManager().parse_args(list(argv))
     except SystemExit as err:  # tyro printed why, in a box
@@ -77,19 +80,51 @@ def load_config(argv: Sequence[str]) -> Any:
         titan_logger.setLevel(level)
 
 
-def _missing_dependency(argv: Sequence[str]) -> str | None:
-    """Why torchtitan's ``--module`` config registry did not import, when a package it needs is not installed:
-    torchtitan 0.3.0's ConfigManager swallows the ImportError ("Cannot import config_registry for module ...").
-    E.g. qwen3_5 needs ``fla`` (flash-linear-attention, Triton kernels), kimi_k2_7 ``torchvision``."""
-    import importlib
-
+def _module_name(argv: Sequence[str]) -> str | None:
+    """The ``--module`` of torchtitan's command line, when it is a plain name."""
     names = [a.split("=", 1)[1] for a in argv if a.startswith("--module=")]
     names += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--module"]
     if not names or not names[-1].replace("_", "").isalnum():
         return None
-    module = names[-1]
+    return names[-1]
+
+
+def _import_registry(argv: Sequence[str]) -> None:
+    """Import the ``--module``'s config registry before torchtitan's ConfigManager does; where it stops at the
+    missing torchvision (qwen3_5, kimi_k2_7: the multimodal data loader), again with torchvision stood in for
+    (:func:`hyperdryrun.compat.torchtitan_families.torchvision_stand_in`). Other failures: ConfigManager's."""
+    import importlib
+
+    module = _module_name(argv)
+    if module is None:
+        return
+    registry = f"torchtitan.models.{module}.config_registry"
+    with (
+        warnings.catch_warnings()
+    ):  # fla on import: "Triton is not supported on current platform" (no GPU here)
+        warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+        try:
+            importlib.import_module(registry)
+        except ModuleNotFoundError as err:
+            if err.name == "torchvision":
+                with contextlib.suppress(Exception), families.torchvision_stand_in():
+                    importlib.import_module(registry)
+        except Exception:  # noqa: BLE001  (ConfigManager imports it again and says why)
+            return
+
+
+def _missing_dependency(argv: Sequence[str]) -> str | None:
+    """Why torchtitan's ``--module`` config registry did not import, when a package it needs is not installed:
+    torchtitan 0.3.0's ConfigManager swallows the ImportError ("Cannot import config_registry for module ...").
+    E.g. qwen3_5 needs ``fla`` (flash-linear-attention, Triton kernels)."""
+    import importlib
+
+    module = _module_name(argv)
+    if module is None:
+        return None
     try:
-        importlib.import_module(f"torchtitan.models.{module}.config_registry")
+        with families.torchvision_stand_in():
+            importlib.import_module(f"torchtitan.models.{module}.config_registry")
     except ModuleNotFoundError as err:
         if err.name and not err.name.startswith("torchtitan"):
             return f"torchtitan's {module!r} models import {err.name!r}, which is not installed (got --module {module})"
@@ -247,6 +282,13 @@ class TorchtitanJob:
                 f"parallelism.spmd_backend='spmd_types' shards parameters through fully_shard support for "
                 f"spmd_types annotations (pytorch/pytorch#181519) that torch {torch_version()} lacks"
             )
+            if families.dist_muon_groups(config):
+                raise TorchtitanError(
+                    "--optimizer: this config optimizes with torchtitan's DistMuon, whose compute layouts name "
+                    f"the 'dp_shard' mesh axis that only spmd_types builds, and {why}; with partial_dtensor "
+                    "DistMuon refuses FSDP's mesh "
+                    "(\"declares no axis in storage mesh ['fsdp']\"), also on GPUs"
+                )
             if _flag_given(self.argv, SPMD_BACKEND_FLAGS):
                 raise TorchtitanError(
                     f"parallelism.spmd_backend (--parallelism.spmd_backend): {why}; use partial_dtensor"
@@ -300,6 +342,14 @@ class TorchtitanJob:
         if self.attention is not None:
             self._use_attention(model_config)
         self._moe_limitations(dims, model_config)
+        if families.fla_layers(model_config) and not self.real:
+            self.limitations.append(
+                f"Gated DeltaNet layers {families.fla_layers(model_config)}: fla's Triton kernels "
+                f"({families.FLA_KERNEL}) are not run; their memory is the outputs and intermediates fla allocates "
+                "with torch (sized as on an H100, H200 or B200: 232,448 B of shared memory per block; on an A100 "
+                "one gradient buffer may be sized differently); Triton's autotuning copies on a "
+                "first step are not counted"
+            )
         if config.compile.enable_async_tensor_parallel and dims.tp_enabled:
             self.limitations.append(
                 "compile.enable_async_tensor_parallel: async TP is Inductor's micro-pipeline pass over compiled "
@@ -678,14 +728,19 @@ class TorchtitanJob:
         optimizers.zero_grad = zero_grad
 
     def make_batch(self, i: int, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Micro batch ``i`` as torchtitan's text data loader yields it: input tokens, positions, labels."""
+        """Micro batch ``i`` as torchtitan's text data loader yields it: input tokens, positions, labels (and, for
+        a multimodal tokenizer, the fields its collator adds to a batch without images)."""
         t = self.config.training
         vocab = self.config.model_spec.model.vocab_size
         shape = (self._micro_batch_size(), t.seq_len)
         tokens = torch.randint(0, vocab, shape, device=device)
         positions = torch.arange(t.seq_len, device=device).repeat(shape[0], 1)
         labels = torch.randint(0, vocab, shape, device=device)
-        return {"input": tokens, "positions": positions}, labels
+        return {
+            "input": tokens,
+            "positions": positions,
+            **families.multimodal_batch_fields(self.config),
+        }, labels
 
     def step(self, model: nn.Module, optimizers: Any, batches: Iterator[Any]) -> None:
         """``Trainer.train_step`` on a trainer that holds this job's parts (no metrics, no checkpointer)."""
@@ -872,11 +927,12 @@ def torchtitan_job(
         PatchSet(
             _device_patches(device)
             + _titan_patches(real)
-            + (defined_count_exchange() if real else _routing_patches())
+            + (defined_count_exchange() if real else _routing_patches() + families.triton_launch_patches())
         ),
     ):
         job.prepare()
-        yield job
+        with PatchSet([] if real else families.fla_block_size_patches()):  # the model's imports are done
+            yield job
 
 
 def simulate_torchtitan(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Unpack
 
+from hyperdryrun.compat import torchtitan_families as families
 from hyperdryrun.integrations.torchtitan import JobArgs, TorchtitanJob, torchtitan_job
 from hyperdryrun.measure.step import CP_UNSUPPORTED, MeasureError, measure_plan
 from hyperdryrun.trace.step import StepTrace
@@ -26,6 +27,13 @@ FLEX_ON_CPU = (
 def unsupported_torchtitan(job: TorchtitanJob) -> str | None:
     """Why the prepared ``job`` cannot be executed for real on the CPU (one line), or None."""
     titan = job.metadata["torchtitan"]
+    delta_net = families.fla_layers(job.config.model_spec.model)
+    if delta_net:
+        return (
+            f"--measure: layers {delta_net} are Gated DeltaNet, whose fla kernels ({families.FLA_KERNEL}) are "
+            "Triton kernels that need a GPU (triton: '0 active drivers' on the CPU), so a real CPU step cannot run "
+            "them; dry-run the job instead"
+        )
     if titan["attention"] in ("FlexAttention", "VarlenAttention"):
         return FLEX_ON_CPU.format(attention=titan["attention"])
     if job.metadata["parallel"]["cp"] > 1:
