@@ -68,14 +68,15 @@ def test_with_fsdp_ep_divides_the_gathered_expert_weights_and_keeps_the_stored_s
 
 
 def dispatch_sizes(trace, layer: int = 0) -> list[int]:
-    """Requested bytes of the forward all-to-all outputs of one MoE layer's experts (counts, then tokens)."""
+    """Requested bytes of the forward dispatch all-to-alls of one MoE layer (counts, then tokens): the first two of
+    the layer, made by the MoE's token dispatcher (EP) or by the hooks around its experts (EP x ETP)."""
     return [
         b.requested
         for b in trace.blocks
         if b.op == "all_to_all_single"
         and b.phase is Phase.FORWARD
-        and b.module == f"layers.{layer}.moe.experts"
-    ]
+        and b.module in (f"layers.{layer}.moe", f"layers.{layer}.moe.experts")
+    ][:2]
 
 
 @pytest.mark.parametrize(("rank", "rows"), [(0, 2 * (6 + 5)), (1, 2 * (3 + 2))])
@@ -92,12 +93,13 @@ def test_explicit_counts_give_the_dispatched_token_buffers_derived_by_hand(rank,
     )
     int64_counts = TINY.num_experts * 8
     assert dispatch_sizes(trace) == [int64_counts, rows * TINY.dim * 2]
-    combine = [
+    # torchtitan 0.3.0's AllToAllTokenDispatcher: counts, tokens and the combine, all in the MoE's forward.
+    exchanges = [
         b.requested
         for b in trace.blocks
         if b.op == "all_to_all_single" and b.phase is Phase.FORWARD and b.module == "layers.0.moe"
     ]
-    assert combine == [16 * TINY.dim * 2]
+    assert exchanges == [int64_counts, rows * TINY.dim * 2, 16 * TINY.dim * 2]
     assert trace.metadata["moe"]["tokens_received_per_moe_layer"] == rows
 
 
@@ -275,13 +277,11 @@ def test_interleaved_pipeline_stages_each_get_expert_parallel():
         training__seq_len=32,
         training__num_micro_batches=2,
     )
-    experts = {
-        b.module for b in trace.blocks if b.op == "all_to_all_single" and b.module.endswith("moe.experts")
-    }
+    experts = {b.module for b in trace.blocks if b.op == "all_to_all_single" and b.module.endswith("moe")}
     # 4 stages over 4 layers (even split, embedding and head weighted as a layer): layers [0], [1, 2], [3], [];
     # pipeline rank 0 holds stages 0 and 2, i.e. layer 0 (dense in moe-debug) and layer 3 (MoE).
     assert trace.metadata["pipeline"]["stage_indices"] == [0, 2]
-    assert experts == {"stage2.layers.3.moe.experts"}
+    assert experts == {"stage2.layers.3.moe"}
 
 
 def test_fewer_local_experts_than_fsdp_ranks_shard_the_hidden_dim_without_padding():

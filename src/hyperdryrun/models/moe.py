@@ -2,7 +2,9 @@
 
 Plain torch, no parallel code: a top-k token-choice router, optional shared experts, and routed experts run as one
 grouped GEMM (``torch._grouped_mm``, which has fake/meta kernels in torch 2.13). Expert parallelism is applied from
-outside by :mod:`hyperdryrun.parallel.expert`, which hooks the inputs and outputs of :class:`GroupedExperts`.
+outside by :mod:`hyperdryrun.parallel.expert`: it replaces the MoE's :class:`TokenDispatcher` with an all-to-all one
+(torchtitan 0.3.0's design), or hooks the inputs and outputs of :class:`GroupedExperts` (``moe_impl="torchtitan-2024"``
+and expert tensor parallel).
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ class TokenChoiceRouter(nn.Module):
 
     ``moe_impl="torchtitan"`` is torchtitan 0.3.0's ``TokenChoiceTopKRouter``: the gate under fp32 autocast, the
     expert bias added for the choice only, unsorted top-k, the chosen scores gathered, scaled by ``route_scale`` (1),
-    and tokens per expert from a boolean routing map; ``torchtitan-2024`` the earlier router."""
+    and all scores returned (the MoE counts tokens per expert from them); ``torchtitan-2024`` the earlier router,
+    which returns the tokens per expert instead."""
 
     def __init__(self, args: MoEArgs) -> None:
         super().__init__()
@@ -166,7 +169,8 @@ class TokenChoiceRouter(nn.Module):
     def forward(
         self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(top-k scores, top-k expert ids, tokens per expert) of ``x`` (tokens x dim, or batch x seq x dim)."""
+        """(top-k scores, top-k expert ids, all scores) of ``x`` (tokens x dim, or batch x seq x dim); with
+        ``torchtitan-2024``, tokens per expert in place of all scores."""
         if self.impl == "torchtitan-2024":
             return self._forward_2024(x)
         with torch.autocast(device_type=x.device.type, dtype=torch.float32):
@@ -178,9 +182,7 @@ class TokenChoiceRouter(nn.Module):
         if self.route_norm:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
         top_scores = top_scores * 1.0  # torchtitan's route_scale (1.0 in its presets)
-        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, selected, True)
-        counts = routing_map.sum(dim=tuple(range(routing_map.dim() - 1)))
-        return top_scores, selected, counts
+        return top_scores, selected, scores
 
     def _forward_2024(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         scores = self.gate(x).float()
@@ -219,6 +221,48 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
 
 
+class TokenDispatcher:
+    """torchtitan 0.3.0's ``LocalTokenDispatcher``: tokens sorted by expert for the grouped GEMMs (``dispatch``), the
+    experts' outputs scaled by their router score in fp32 and summed back per token (``combine``). Expert parallel
+    swaps in a subclass whose ``exchange`` / ``exchange_back`` are the all-to-alls. The code keeps torchtitan's
+    lifetimes, which set the MoE's peak: the sorted input lives until ``dispatch`` returns, the output buffer is made
+    before the fp32 product, and the caller holds the experts' output until ``combine`` returns."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+
+    def dispatch(
+        self, x: torch.Tensor, top_scores: torch.Tensor, selected: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(expert-sorted rows for the local experts, their tokens per expert, what ``combine`` needs)."""
+        order = torch.argsort(selected.view(-1), stable=True)
+        scores_sorted = top_scores.view(-1)[order]
+        token_ids = order // self.top_k
+        routed_input = x[token_ids]
+        received, tokens_per_expert = self.exchange(routed_input, counts)
+        return received, tokens_per_expert, (token_ids, scores_sorted)
+
+    def combine(
+        self, routed_output: torch.Tensor, meta: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts' rows scaled by their scores (in fp32) and added back at their tokens: ``x``'s shape."""
+        token_ids, scores_sorted = meta
+        routed_output = self.exchange_back(routed_output)
+        out = torch.zeros_like(x)
+        routed_output = (routed_output.to(torch.float32) * scores_sorted.reshape(-1, 1)).to(
+            routed_output.dtype
+        )
+        return out.scatter_add(0, token_ids.reshape(-1, 1).expand(-1, out.shape[-1]), routed_output)
+
+    def exchange(self, routed_input: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows and tokens per expert to the ranks that hold the experts: here, none (all experts local)."""
+        return routed_input, counts
+
+    def exchange_back(self, routed_output: torch.Tensor) -> torch.Tensor:
+        """The experts' rows back to the ranks their tokens came from: here, already there."""
+        return routed_output
+
+
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts): tokens are sorted by expert, run through the grouped experts,
     scaled by their router score and summed back per token (torchtitan 0.3.0's ``MoE`` with its
@@ -230,6 +274,7 @@ class MoE(nn.Module):
         self.impl = args.moe_impl
         self.router = TokenChoiceRouter(args)
         self.experts = GroupedExperts(args.dim, args.moe_ffn_dim, args.num_experts)
+        self.token_dispatcher = TokenDispatcher(args.top_k)
         shared = args.num_shared_experts * args.moe_ffn_dim
         self.shared_experts = FeedForward(args.dim, shared) if shared else None
         if self.impl == "torchtitan":
@@ -244,21 +289,28 @@ class MoE(nn.Module):
         if self.impl == "torchtitan-2024":
             return self._forward_2024(x)
         bs, seq, dim = x.shape
-        top_scores, selected, counts = self.router(x, self.expert_bias)
+        top_scores, selected, scores = self.router(x, self.expert_bias)
+        # torchtitan's MoE.forward holds its boolean routing map (tokens x experts) until it returns.
+        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, selected, True)
+        counts = routing_map.sum(dim=tuple(range(routing_map.dim() - 1)))
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
-        x_td = x.view(-1, dim)
-        order = torch.argsort(selected.view(-1), stable=True)
-        scores_sorted = top_scores.view(-1)[order]
-        token_ids = order // self.top_k
-        routed = self.experts(x_td[token_ids], counts)
-        routed = (routed.to(torch.float32) * scores_sorted.reshape(-1, 1)).to(routed.dtype)
-        out = torch.zeros_like(x_td).scatter_add(0, token_ids.reshape(-1, 1).expand(-1, dim), routed)
-        out = out.view(bs, -1, dim)
+        out = self._routed(x.view(-1, dim), top_scores, selected, counts).view(bs, -1, dim)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _routed(
+        self, x: torch.Tensor, top_scores: torch.Tensor, selected: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """torchtitan 0.3.0's ``RoutedExperts.forward``: dispatch, experts, combine; its locals (the experts' input
+        and output) live until the combine is done, before the shared experts run."""
+        routed_input, tokens_per_expert, meta = self.token_dispatcher.dispatch(
+            x, top_scores, selected, counts
+        )
+        routed_output = self.experts(routed_input, tokens_per_expert)
+        return self.token_dispatcher.combine(routed_output, meta, x)
 
     def _forward_2024(self, x: torch.Tensor) -> torch.Tensor:
         bs, seq, dim = x.shape

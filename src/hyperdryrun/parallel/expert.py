@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyperdryrun.models.moe import MLAttention
+from hyperdryrun.models.moe import MLAttention, TokenDispatcher
 from hyperdryrun.parallel.ac import apply_ac
 from hyperdryrun.parallel.fsdp import fsdp_enabled, fsdp_mesh, mixed_precision
 from hyperdryrun.parallel.tp import apply_tp, decoder_block_tp_plan
@@ -68,6 +68,13 @@ class ExpertParallel:
             input_fn=self._dispatch,
             output_fn=self._combine,
         )
+
+    def shard(self, experts: nn.Module, ep_mesh: Any) -> nn.Module:
+        """The experts' weights sharded on the expert dimension, with no token hooks (the MoE's
+        :class:`AllToAllTokenDispatcher` moves the tokens)."""
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(experts, ep_mesh, partition_fn=self._partition)
 
     @staticmethod
     def _partition(name: str, module: nn.Module, mesh: Any) -> None:
@@ -161,6 +168,22 @@ class ExpertParallel:
             unpermuted = routed_output[self.inverse]
             self.inverse = None
         return all_to_all_single_autograd(unpermuted, self.input_splits, self.output_splits, mesh.get_group())
+
+
+class AllToAllTokenDispatcher(TokenDispatcher):
+    """torchtitan 0.3.0's ``AllToAllTokenDispatcher``: the local token reordering, then the all-to-alls and the
+    device-side permutation of :class:`ExpertParallel` between the MoE and its experts; the experts' weights are
+    sharded on the expert dimension without hooks (:meth:`ExpertParallel.shard`)."""
+
+    def __init__(self, top_k: int, ep: ExpertParallel, mesh: Any) -> None:
+        super().__init__(top_k)
+        self.ep, self.mesh = ep, mesh
+
+    def exchange(self, routed_input: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ep._dispatch(None, (routed_input, counts), self.mesh)
+
+    def exchange_back(self, routed_output: torch.Tensor) -> torch.Tensor:
+        return self.ep._combine(None, routed_output, self.mesh)
 
 
 class ExpertTensorParallel(ExpertParallel):
@@ -308,10 +331,17 @@ def apply_moe_tp(
 
 def apply_ep(model: nn.Module, ep_mesh: Any, top_k: int, permute: str = "torchtitan") -> None:
     """Expert parallel on every MoE layer's routed experts; ``permute``: how received rows are put in expert
-    order (``torchtitan``: 0.3.0's device-side permutation, ``torchtitan-2024``: host-built index lists)."""
+    order (``torchtitan``: 0.3.0's device-side permutation, in the MoE's :class:`AllToAllTokenDispatcher`;
+    ``torchtitan-2024``: host-built index lists, in hooks around the experts)."""
     for name, block in model.layers.items():
-        if getattr(block, "moe", None) is not None:
-            ExpertParallel(f"layers.{name}.moe.experts", top_k, permute).apply(block.moe.experts, ep_mesh)
+        if getattr(block, "moe", None) is None:
+            continue
+        ep = ExpertParallel(f"layers.{name}.moe.experts", top_k, permute)
+        if permute == "torchtitan":
+            ep.shard(block.moe.experts, ep_mesh)
+            block.moe.token_dispatcher = AllToAllTokenDispatcher(top_k, ep, ep_mesh)
+        else:
+            ep.apply(block.moe.experts, ep_mesh)
 
 
 def apply_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig) -> None:
