@@ -46,6 +46,17 @@ def test_free_then_alloc_inside_one_op_splits_the_task_so_the_peak_is_exact():
     assert tr.peak == 64 and tr.peak_task == 0
 
 
+def test_a_kernels_scratch_event_makes_a_block_marked_scratch_and_nothing_else_is():
+    events = [
+        ev(1, "s", 64, "mm", 7, scratch=True),
+        ev(2, "s", -64, "mm", 7),
+        ev(3, "o", 32, "mm", 7),
+        ev(4, "t", 16, "add", 8),
+    ]
+    tr = trace_from_events(events)
+    assert [(blk.requested, blk.scratch) for blk in tr.blocks] == [(64, True), (32, False), (16, False)]
+
+
 def test_residents_and_storages_freed_before_being_seen_are_initialization_blocks():
     param = ev(0, "w", 400, category=Category.PARAMETER, module="lin")
     events = [ev(5, "old_grad", -80), ev(6, "x", 20, "mul", 1)]

@@ -44,6 +44,7 @@ from tests.integrations.test_torchtitan_measure import (  # noqa: E402
     by_category,
     cpu_scalar_blocks,
     host_blocks,
+    kernel_scratch_blocks,
     live,
 )
 
@@ -159,7 +160,12 @@ def test_dry_run_equals_the_measured_step_per_category_and_peak(measured_and_dry
         b.category = Category.PARAMETER
     left_out = {
         id(b)
-        for b in [*host_blocks(measured), *cpu_scalar_blocks(measured), *wrapped_scalar_blocks(measured)]
+        for b in [
+            *host_blocks(measured),
+            *cpu_scalar_blocks(measured),
+            *wrapped_scalar_blocks(measured),
+            *kernel_scratch_blocks(measured),
+        ]
     }
     kept = [b for b in measured.blocks if id(b) not in left_out]
     totals = [live(kept, t) for t in range(measured.num_tasks)]
@@ -189,10 +195,10 @@ def test_a_module_that_routed_differently_per_call_cannot_be_given_one_count_lis
         measured_routing(Trace())
 
 
+@pytest.mark.parametrize("measured_and_dry", FAMILIES[:1], ids=[FAMILIES[0][1]], indirect=True)
 def test_the_command_dry_runs_with_the_routing_of_a_measured_report(measured_and_dry, tmp_path):
+    """One family is enough for the command line."""
     argv, measured, routing, dry = measured_and_dry
-    if "deepseek_v3" not in argv:
-        pytest.skip("one family is enough for the command line")
     from hyperdryrun.report import blocks_csv, build_report, write_reports
 
     [report_path] = [

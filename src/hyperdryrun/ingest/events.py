@@ -113,6 +113,7 @@ class _Builder:
             addr=self.next_addr,
             category=category,
             micro_batch=ev.micro_batch,
+            scratch=ev.scratch,
         )
         self.next_addr += round_size(max(size, 1), ALIGNMENT)
         self.blocks.append(blk)

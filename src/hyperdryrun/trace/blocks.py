@@ -84,6 +84,10 @@ class Block:
     """Other streams the caching allocator is told the block is used on (``Tensor.record_stream``): its memory
     returns to the pool only once those uses complete. Cross-stream uses ordered by events instead (FSDP2, NCCL's
     stashed tensors) are not listed: the allocator never learns of them."""
+    scratch: bool = False
+    """A measured kernel's workspace: allocated and freed inside the kernel that made it (oneDNN's bf16 GEMM
+    scratchpad, a CPU mm's contiguous operand copy). Real, but not an op's output, so a dry run has no such block;
+    its size depends on the CPU (an AMX core's bf16 GEMM packs its operands into megabytes of scratch)."""
 
     @property
     def persistent(self) -> bool:
