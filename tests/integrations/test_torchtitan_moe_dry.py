@@ -3,7 +3,6 @@ family whose package is not installed refused in one line (qwen3_5 and kimi_k2_7
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -44,18 +43,26 @@ def test_the_router_gate_runs_in_fp32_on_a_cuda_target_and_in_bf16_on_the_cpu():
     assert ("mm", TOKENS * experts * 2) in made["cpu"] and not any(op == "_to_copy" for op, _ in made["cpu"])
 
 
-def test_a_family_whose_models_need_a_missing_package_is_refused_in_one_line_naming_it():
+def test_a_family_whose_models_need_a_missing_package_is_refused_in_one_line_naming_it(tmp_path):
     """qwen3_5's model imports fla (flash-linear-attention); torchvision, which its config registry's data loader
-    imports, is stood in for (compat/torchtitan_families.py)."""
+    imports, is stood in for (compat/torchtitan_families.py). CI installs fla, so the test makes it absent for the
+    command and its child processes: a sitecustomize on PYTHONPATH whose import finder answers as Python does for
+    a package that is not installed."""
     module, config, package = "qwen3_5", "qwen35_debugmodel_moe", "fla"
-    if importlib.util.find_spec(package) is not None:
-        pytest.skip(f"{package} is installed here")
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Absent:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] == {package!r}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Absent())\n"
+    )
     done = subprocess.run(
         [sys.executable, "-m", "hyperdryrun.cli", "torchtitan", "--module", module, "--config", config],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO / "src")])},
     )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
