@@ -72,8 +72,9 @@ def test_model_overrides_apply_to_the_preset_of_the_right_family():
     [
         (
             {"model": {"name": "gpt-2"}},
-            "model.name: unknown model 'gpt-2'; choose one of deepseek-v3, llama-debug, llama-tiny, llama3-405b, "
-            "llama3-70b, llama3-8b, mixtral-8x7b, moe-debug, moe-tiny, qwen3-30b-a3b",
+            "model.name: unknown model 'gpt-2'; choose one of deepseek-v3, deepseek-v3-debug, llama-debug, "
+            "llama-tiny, llama3-405b, llama3-70b, llama3-8b, mixtral-8x7b, moe-debug, moe-tiny, qwen3-30b-a3b, "
+            "qwen3-moe-debug",
         ),
         (
             {"model": {"name": "llama-tiny", "top_k": 2}},

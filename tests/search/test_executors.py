@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 
 from hyperdryrun.search.executors import InlineExecutor, LocalExecutor, SimTask, executor_for, run_task
@@ -50,18 +53,22 @@ def test_executor_names():
 
 
 def test_ray_executor_on_a_local_ray_instance(here):
-    # ray is in the dev extra, so CI runs this test: a missing ray is a failure here, not a skip.
-    import ray
-
     from hyperdryrun.search.executors import RayExecutor
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        executor = RayExecutor()
-        assert executor.jobs == 2
-        got = {r.key: r.figures for r in executor.imap(_tasks())}
-    finally:
-        ray.shutdown()
+    # importing ray sets RAY_CLIENT_MODE, ray.init writes PYTHONBREAKPOINT and RAY_* variables into os.environ and
+    # ray.shutdown leaves them: the test started this instance, so it puts the environment back
+    # (tests/conftest.py fails a test that leaks it)
+    with mock.patch.dict(os.environ):
+        # ray is in the dev extra, so CI runs this test: a missing ray is a failure here, not a skip.
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            executor = RayExecutor()
+            assert executor.jobs == 2
+            got = {r.key: r.figures for r in executor.imap(_tasks())}
+        finally:
+            ray.shutdown()
     assert got == here
 
 
