@@ -246,15 +246,16 @@ def compare(
 ) -> dict[str, Any]:
     """The comparison as plain data (the ``--json`` output); ``within_tolerance`` decides the exit code.
 
-    Keys: ``a``/``b`` (source, kind, peak phase and op), ``peak`` and every figure as ``{a, b, diff, rel_error}``,
+    Keys: ``a``/``b`` (source, kind, peak phase and op, initial bytes, ``tensors_only``: a snapshot HyperDryRun
+    wrote from a report), ``peak`` and every figure as ``{a, b, diff, rel_error}``,
     ``peak_without_kernel_scratch`` (a measured side's peak without the workspaces its kernels freed before
     returning, which a dry run never counts; ``None`` when no side has any), ``judged_on`` (which of the two the
     verdict uses: without scratch unless ``with_kernel_scratch``), ``tolerance``, ``within_tolerance``,
     ``categories_at_peak``, ``phases``, ``modules`` (names both sides know),
     ``blocks`` (``matching`` rule, ``live_sets_complete``, ``only_in_a``/``only_in_b``: count, bytes, ``top``
     largest), ``reserved`` (:func:`reserved_comparison`; None unless both sides have the caching allocator's
-    figures), ``step_only`` (:func:`step_comparison`: what both sides see, and the baseline difference apart; None
-    unless both sides have their blocks). When one side has no baseline (:func:`no_baseline`), the verdict is the
+    figures, which a tensors-only snapshot has not), ``step_only`` (:func:`step_comparison`: what both sides see,
+    and the baseline difference apart; None unless both sides have their blocks). When one side has no baseline (:func:`no_baseline`), the verdict is the
     step-only peak's (``judged_on`` ``"step_only"``).
     """
     ra, rb = a.report, b.report
@@ -291,6 +292,7 @@ def compare(
             "peak_phase": sa.get("peak_phase"),
             "peak_op": sa.get("peak_op"),
             "initial_bytes": sa.get("initial_bytes"),
+            "tensors_only": _tensors_only(a),
         },
         "b": {
             "source": b.source,
@@ -298,6 +300,7 @@ def compare(
             "peak_phase": sb.get("peak_phase"),
             "peak_op": sb.get("peak_op"),
             "initial_bytes": sb.get("initial_bytes"),
+            "tensors_only": _tensors_only(b),
         },
         "peak": peak,
         "allocated": allocated,
@@ -309,7 +312,8 @@ def compare(
         "categories_at_peak": categories,
         "phases": phases,
         "modules": _modules(ra, rb),
-        "reserved": reserved_comparison(sa, sb),
+        # a tensors-only snapshot's segments are not an allocator's: nothing reserved to compare with
+        "reserved": None if _tensors_only(a) or _tensors_only(b) else reserved_comparison(sa, sb),
         "blocks": {
             "matching": MATCHING,
             "live_sets_complete": complete,
@@ -335,6 +339,12 @@ def compare(
 
 SNAPSHOT = "cuda_snapshot"
 """The kind of a CUDA memory snapshot side: its blocks are the caching allocator's, without categories or phases."""
+
+
+def _tensors_only(side: Side) -> bool:
+    """A snapshot HyperDryRun wrote from a report: its blocks are that report's tensors, and its segments are made
+    to hold them, not the caching allocator's (which only the report itself has)."""
+    return side.kind == SNAPSHOT and not (side.report.get("metadata") or {}).get("allocator_blocks", True)
 
 
 def _allocated(side: Side) -> int | None:
@@ -458,6 +468,16 @@ def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP
         )
         table("phase peaks", list(result["phases"].items()))
     res = result.get("reserved")
+    written = [
+        side.upper()
+        for side in ("a", "b")
+        if result[side]["kind"] == SNAPSHOT and result[side]["tensors_only"]
+    ]
+    if written:
+        console.print(
+            f"no caching-allocator comparison: {' and '.join(written)} is a snapshot HyperDryRun wrote from a "
+            "report, which holds its tensors only (the report has the reserved figures)"
+        )
     if res:
         rows = [("peak reserved", res["peak_reserved"]), ("fragmentation at it", res["fragmentation"])]
         for row in res["segments_by_pool"]:

@@ -345,3 +345,21 @@ def test_a_report_and_its_own_snapshot_compare_equal(snapshot_path: Path, rank0_
     assert (
         result["b"]["initial_bytes"] == result["a"]["initial_bytes"] == report["summary"]["initial_bytes"] > 0
     )
+
+
+def test_a_snapshot_written_from_a_report_has_no_reserved_figures_to_compare(
+    snapshot_path: Path, rank0_json: Path, capsys
+) -> None:
+    """Its segments are made to hold the report's tensors, not the caching allocator's: comparing their 'reserved'
+    with the report's showed -97% on a report and its own snapshot. The comparison leaves reserved out and says
+    why; the report's own reserved figure is still there."""
+    capsys.readouterr()
+    assert main(["compare", str(rank0_json), str(snapshot_path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["reserved"] is None
+    assert (result["a"]["tensors_only"], result["b"]["tensors_only"]) == (False, True)
+    assert "peak_reserved_bytes" in json.loads(rank0_json.read_text())["summary"]
+    assert main(["compare", str(rank0_json), str(snapshot_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no caching-allocator comparison: B is a snapshot HyperDryRun wrote from a report" in out
+    assert "caching allocator (reserved)" not in out
