@@ -1,4 +1,5 @@
-"""torch's DTensor sharding propagation (``torch/distributed/tensor/_sharding_prop.py``), by release."""
+"""torch's DTensor sharding propagation (``torch/distributed/tensor/_sharding_prop.py``) and DeviceMesh
+(``torch/distributed/device_mesh.py``), by release."""
 
 from __future__ import annotations
 
@@ -94,3 +95,36 @@ def clear_caches() -> None:
     _clear_sharding_prop_cache()  # the Python LRU cache and the C++ fast path's
     ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
     clear_redistribute_planner_cache()
+
+
+def device_mesh_patches() -> list[Patch]:
+    """``DeviceMesh.mesh`` read inside the dry run's fake mode has values again.
+
+    torch 2.11 to 2.14 (``torch/distributed/device_mesh.py``): ``mesh`` is a property that remaps the mesh's rank
+    map through its layout with tensor ops on every read (``_layout.remap_to_tensor(_rank_map)``); read under the
+    active FakeTensorMode it returns a fake tensor, whose ``.tolist()`` has no values (torchtitan's DistMuon reads
+    its parameters' mesh ranks that way). The rank map is a real CPU tensor (the world builds its meshes outside
+    fake mode), so the property runs with the dispatch modes set aside: a small host tensor, never device memory.
+    Feature detection: nothing to patch where ``mesh`` is not a property."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    prop = DeviceMesh.__dict__.get("mesh")
+    if not isinstance(prop, property) or prop.fget is None:
+        return []
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    fget = prop.fget
+
+    def mesh(self: Any) -> Any:
+        with _disable_current_modes():
+            return fget(self)
+
+    return [
+        Patch(
+            DeviceMesh,
+            "mesh",
+            property(mesh, doc=prop.__doc__),
+            "torch 2.13 DeviceMesh.mesh computes the mesh tensor with tensor ops on every read: under the dry "
+            "run's FakeTensorMode it is a fake tensor without values (mesh.mesh.tolist() fails)",
+        )
+    ]

@@ -129,6 +129,7 @@ class SimulatedWorld:
                 ]
                 stack.enter_context(PatchSet(streams))
             stack.enter_context(PatchSet(untracked_sharding_propagation(lambda: self.tracker)))
+            stack.enter_context(PatchSet(torch_dtensor.device_mesh_patches()))
             stack.enter_context(PatchSet(gradient_accumulation_buffers(lambda: self.tracker)))
             mode = TrackingFakeTensorMode
             if self.device != "cuda" and needs_target_kernels(self.target_device, self.device):
