@@ -21,6 +21,7 @@ from torch import nn
 from hyperdryrun.compat import torch_dtensor, versions
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import Category
+from hyperdryrun.trace.gradless import gradless_parameters
 from hyperdryrun.trace.optimizer_state import describe, no_state_limitation, warm_up
 from hyperdryrun.trace.sites import recording_sites, resident_sites
 from hyperdryrun.trace.stacks import step_code
@@ -235,7 +236,7 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
                 stages.append("step")
                 t1 = time.perf_counter()
                 # no rule given: an uncovered data-dependent op (`if tensor:`) is one line naming it, not torch's
-                with data_dependent_errors(root=model):
+                with data_dependent_errors(root=model), gradless_parameters(model) as gradless:
                     tracker, initial = traced_step(
                         world,
                         model,
@@ -254,6 +255,7 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
                 trace.limitations = [
                     *world.limitations,
                     *no_state_limitation(optimizer, model),
+                    *gradless(),
                     *plan.limitations,
                 ]
                 trace.timings = timings

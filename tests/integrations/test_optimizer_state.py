@@ -193,3 +193,37 @@ def test_state_tensors_leave_out_parameters_gradients_and_buffers():
     assert len(found) == len(expected) and all(any(f is e for e in expected) for f in found)
     assert describe(wrapper) == "Wrapper(AdamW)"
     assert describe(Container(model_fn())) == "Container(AdamW)"
+
+
+class Unused(nn.Module):
+    """model_fn's layers and a third (64 x 128, fp32) that forward never reaches: a module the batches skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = model_fn()
+        self.skipped = nn.Linear(IN, HID, bias=False)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_parameters_without_a_gradient_are_named_with_their_states_bytes():
+    """AdamW skips a parameter whose grad is None, so a job whose steps never reach it never makes its states; the
+    dry run counts them (the steady state of a job that trains every parameter) and says so, naming it."""
+    trace = hyperdryrun.simulate(
+        Unused,
+        lambda i, device: torch.randn(16, IN, device=device),
+        loss_fn=lambda model, x: model(x).sum(),
+        optimizer_fn=lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
+        capture_stacks=False,
+    )
+    said = [x for x in trace.limitations if x.startswith("no gradient in this step:")]
+    assert len(said) == 1
+    # the skipped weight's exp_avg and exp_avg_sq, fp32 like it: 2 x 64 x 128 x 4 B
+    assert "1 parameter under skipped (skipped.weight)" in said[0] and f"({2 * W:,} B)" in said[0]
+    assert hyperdryrun.build_report(trace)["summary"]["breakdown_after_step"]["Optstate"] == 3 * 2 * W
+
+
+def test_a_step_that_reaches_every_parameter_says_nothing_of_gradients():
+    trace, _ = run(lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert not any(x.startswith("no gradient in this step:") for x in trace.limitations)
