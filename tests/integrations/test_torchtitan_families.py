@@ -1,6 +1,7 @@
 """torchtitan 0.3.0's multimodal MoE families: qwen3_5 (Gated DeltaNet layers on fla's Triton kernels) dry-runs,
 its measured step is refused in one line (fla's kernels need a GPU), and kimi_k2_7 is refused in one line naming
-DistMuon. Job: the debug MoE config, world 2, FSDP 2 x EP 2, rank 0, local batch 2 x 64, ``--attention sdpa``."""
+DistMuon on more than one rank (on one rank: test_torchtitan_kimi.py). Job: the debug MoE config, world 2, FSDP 2 x
+EP 2, rank 0, local batch 2 x 64, ``--attention sdpa``."""
 
 from __future__ import annotations
 
@@ -139,3 +140,4 @@ def test_kimi_k2_7_is_refused_in_one_line_naming_dist_muon(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hyperdryrun: error: ")
     assert "--optimizer:" in lines[0] and "DistMuon" in lines[0] and "spmd_types" in lines[0]
+    assert lines[0].endswith("on one rank (--world-size 1) it runs")

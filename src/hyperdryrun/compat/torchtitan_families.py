@@ -16,7 +16,9 @@
   (real CPU) step of a DeltaNet layer is impossible (:func:`fla_layers`).
 - kimi_k2_7: its configs optimize with torchtitan's ``DistMuon`` (``distributed/flex_shard/dist_muon.py``), whose
   compute layouts name the ``dp_shard`` mesh axis that only ``parallelism.spmd_backend='spmd_types'`` builds
-  (:func:`dist_muon_groups`).
+  (:func:`dist_muon_groups`), which torch 2.11 to 2.14 cannot shard over more than one rank; on one rank it runs, and
+  its check that the parameters are on a CUDA device is answered for the simulation device
+  (:func:`dist_muon_device_patches`).
 
 No torch or torchtitan import at module import.
 """
@@ -132,6 +134,39 @@ def triton_launch_patches() -> list[Patch]:
             getitem,
             "triton 3.x launches a kernel through the GPU driver ('0 active drivers' on a CPU machine); fla's "
             "Gated DeltaNet kernels write into tensors fla allocated with torch, which the dry run counts",
+        )
+    ]
+
+
+def dist_muon_device_patches(simulation_device: str) -> list[Patch]:
+    """torchtitan 0.3.0's ``DistMuon._validate_parameter_storage`` (``distributed/flex_shard/dist_muon.py``) refuses
+    parameters whose local tensors are not on one CUDA device, and returns that device for its redistribution
+    buffers. The simulated world holds them on ``simulation_device``, which stands for the GPU: the same check with
+    that device type taken for CUDA's. [] where torchtitan has no DistMuon."""
+    try:
+        from torchtitan.distributed.flex_shard.dist_muon import DistMuon
+    except ImportError:
+        return []
+    from torch.distributed.tensor import DTensor
+
+    def validate(self: Any) -> Any:
+        devices = set()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if not isinstance(param, DTensor):
+                    raise TypeError("DistMuon requires DTensor parameters")
+                devices.add(param.to_local().device)
+        if len(devices) != 1 or next(iter(devices)).type not in ("cuda", simulation_device):
+            raise ValueError("DistMuon requires one CUDA device per process")
+        return next(iter(devices))
+
+    return [
+        Patch(
+            DistMuon,
+            "_validate_parameter_storage",
+            validate,
+            f"DistMuon requires its parameters on one CUDA device; the simulated world's are on "
+            f"{simulation_device!r}, standing for the GPU",
         )
     ]
 

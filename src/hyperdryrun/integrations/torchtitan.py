@@ -287,7 +287,8 @@ class TorchtitanJob:
                     "--optimizer: this config optimizes with torchtitan's DistMuon, whose compute layouts name "
                     f"the 'dp_shard' mesh axis that only spmd_types builds, and {why}; with partial_dtensor "
                     "DistMuon refuses FSDP's mesh "
-                    "(\"declares no axis in storage mesh ['fsdp']\"), also on GPUs"
+                    "(\"declares no axis in storage mesh ['fsdp']\"), also on GPUs; on one rank (--world-size 1) it "
+                    "runs"
                 )
             if _flag_given(self.argv, SPMD_BACKEND_FLAGS):
                 raise TorchtitanError(
@@ -926,6 +927,7 @@ def torchtitan_job(
         _restored_torchtitan_globals(),
         PatchSet(
             _device_patches(device)
+            + families.dist_muon_device_patches(device)
             + _titan_patches(real)
             + (defined_count_exchange() if real else _routing_patches() + families.triton_launch_patches())
         ),
