@@ -141,6 +141,7 @@ def test_a_worker_that_dies_is_an_internal_error(tmp_path):
         f"outside) (report: {path})"
     )
     assert o.error_kind == INTERNAL
+    assert o.traceback is None  # nothing to show with --debug: the command line does not offer it
     # the parent, which saw it die, writes the error report naming the signal
     report = json.loads(path.read_text())
     assert (report["status"], report["stage"], report["error"]["type"]) == (

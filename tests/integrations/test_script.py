@@ -88,6 +88,7 @@ def test_a_segfault_in_the_step_is_an_error_report_naming_the_signal(ranks, tmp_
     line = one_error_line(capsys.readouterr().err)
     assert "rank 1" in line or "rank 0" in line
     assert "killed by SIGSEGV (signal 11), a crash in native code" in line
+    assert "--debug" not in line  # no Python traceback exists to show
     for rank in (1,) if not ranks else (0, 1):
         r = report(out, rank)
         assert r["status"] == "error" and r["stage"] == "simulation" and r["error"]["type"] == "ChildDied"

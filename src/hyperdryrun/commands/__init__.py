@@ -55,11 +55,15 @@ def fail(message: str, err: BaseException | None = None, debug: bool = False) ->
     return EXIT_BAD_INPUT
 
 
-def internal_error(message: str, tb: str | None = None, debug: bool = False) -> int:
-    """Print an internal error on one line (the traceback ``tb`` first with ``--debug``); return exit code 3."""
+def internal_error(
+    message: str, tb: str | None = None, debug: bool = False, has_traceback: bool = True
+) -> int:
+    """Print an internal error on one line (the traceback ``tb`` first with ``--debug``); return exit code 3.
+    ``has_traceback=False`` (a process killed by a signal: no Python traceback exists) leaves out the hint to rerun
+    with ``--debug``."""
     if debug and tb:
         sys.stderr.write(tb if tb.endswith("\n") else tb + "\n")
-    hint = "" if debug else f"; {RERUN_WITH_DEBUG}"
+    hint = "" if debug or not has_traceback else f"; {RERUN_WITH_DEBUG}"
     sys.stderr.write(f"hyperdryrun: error: {one_line(message)}{hint}\n")
     return EXIT_INTERNAL
 
@@ -80,7 +84,7 @@ def exit_code_of(outcomes: Sequence[Any], debug: bool = False) -> int:
             if o.traceback:
                 sys.stderr.write(o.traceback if o.traceback.endswith("\n") else o.traceback + "\n")
     if internal:
-        return internal_error(first.error + more, None, debug)
+        return internal_error(first.error + more, None, debug, has_traceback=first.traceback is not None)
     return fail(first.error + more)
 
 

@@ -267,7 +267,7 @@ def _probe(args: argparse.Namespace, given: dict[str, int | None]) -> dict[str, 
     try:
         probed = run_in_child(probe_script, args.script, given, args.fit, tuple(args.script_args))
     except ChildDied as err:
-        return internal_error(f"loading {args.script!r}: {err}", None, args.debug)
+        return internal_error(f"loading {args.script!r}: {err}", None, args.debug, has_traceback=False)
     except ChildFailed as err:
         if args.debug:
             sys.stderr.write(err.traceback_text)
