@@ -78,39 +78,47 @@ class RotaryEmbedding(nn.Module):
         return apply_rope(q, rows), apply_rope(k, rows)
 
 
+def add_qkv_projections(attention: nn.Module, dim: int, q_out: int, kv_out: int, fuse: bool) -> None:
+    """Register the q/k/v projections of grouped-query attention on ``attention``: one ``wqkv`` laid out per KV
+    group, its ``n_rep`` query heads, then its key and its value head (torchtitan's FusedQKVLinear, so a
+    column-sharded wqkv holds whole groups), or ``wq``, ``wk``, ``wv``."""
+    if fuse:
+        attention.wqkv = nn.Linear(dim, q_out + 2 * kv_out, bias=False)
+    else:
+        attention.wq = nn.Linear(dim, q_out, bias=False)
+        attention.wk = nn.Linear(dim, kv_out, bias=False)
+        attention.wv = nn.Linear(dim, kv_out, bias=False)
+
+
+def project_qkv(attention: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of ``x`` as (batch, seq, local heads, ``attention.head_dim``) through the projections of
+    :func:`add_qkv_projections`; ``attention.n_rep`` query heads per KV head."""
+    bs, seq, _ = x.shape
+    hd = attention.head_dim
+    if not hasattr(attention, "wqkv"):
+        # -1: the local head count, which tensor parallelism divides.
+        return tuple(w(x).view(bs, seq, -1, hd) for w in (attention.wq, attention.wk, attention.wv))
+    qkv = attention.wqkv(x).view(bs, seq, -1, attention.n_rep + 2, hd)
+    q, k, v = torch.split(qkv, [attention.n_rep, 1, 1], dim=-2)
+    # Each made contiguous, as torchtitan does (copies of the strided split).
+    return tuple(t.reshape(bs, seq, -1, hd).contiguous() for t in (q, k, v))
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs, max_seq_len: int) -> None:
         super().__init__()
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.n_kv_heads
         kv = args.n_kv_heads * self.head_dim
-        if args.fuse_qkv:
-            # Per KV group: its n_rep query heads, then its key and its value head (torchtitan's FusedQKVLinear),
-            # so a column-sharded wqkv holds whole groups.
-            self.wqkv = nn.Linear(args.dim, args.n_heads * self.head_dim + 2 * kv, bias=False)
-        else:
-            self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-            self.wk = nn.Linear(args.dim, kv, bias=False)
-            self.wv = nn.Linear(args.dim, kv, bias=False)
+        add_qkv_projections(self, args.dim, args.n_heads * self.head_dim, kv, args.fuse_qkv)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         per_layer = args.rope == "per-layer"
         self.rope = RotaryEmbedding(self.head_dim, max_seq_len, args.rope_theta) if per_layer else None
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        bs, seq, _ = x.shape
-        hd = self.head_dim
-        if not hasattr(self, "wqkv"):
-            # -1: the local head count, which tensor parallelism divides.
-            return tuple(w(x).view(bs, seq, -1, hd) for w in (self.wq, self.wk, self.wv))
-        qkv = self.wqkv(x).view(bs, seq, -1, self.n_rep + 2, hd)
-        q, k, v = torch.split(qkv, [self.n_rep, 1, 1], dim=-2)
-        # Each made contiguous, as torchtitan does (copies of the strided split).
-        return tuple(t.reshape(bs, seq, -1, hd).contiguous() for t in (q, k, v))
-
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         """``rope``: the model's shared table, or None (positions 0..seq-1 of this layer's own table)."""
         bs, seq, _ = x.shape
-        q, k, v = self.qkv(x)
+        q, k, v = project_qkv(self, x)
         q, k = self.rope(q, k, rope) if self.rope is not None else (apply_rope(q, rope), apply_rope(k, rope))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)

@@ -15,7 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperdryrun.models.llama import DecoderLM, FeedForward, apply_rope, local_shard, rms_norm, rope_cache
+from hyperdryrun.models.llama import (
+    DecoderLM,
+    FeedForward,
+    add_qkv_projections,
+    apply_rope,
+    local_shard,
+    project_qkv,
+    rms_norm,
+    rope_cache,
+)
 from hyperdryrun.models.shapes import MOE_PRESETS, MoEArgs
 
 PRESETS = MOE_PRESETS
@@ -73,31 +82,16 @@ class Attention(nn.Module):
         hd = self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.n_kv_heads
         kv = args.n_kv_heads * hd
-        if args.fuse_qkv:
-            # Per KV group: its n_rep query heads, then its key and value head (torchtitan's FusedQKVLinear).
-            self.wqkv = nn.Linear(args.dim, args.n_heads * hd + 2 * kv, bias=False)
-        else:
-            self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=False)
-            self.wk = nn.Linear(args.dim, kv, bias=False)
-            self.wv = nn.Linear(args.dim, kv, bias=False)
+        add_qkv_projections(self, args.dim, args.n_heads * hd, kv, args.fuse_qkv)
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
         self.q_norm = rms_norm(hd, args.norm_eps, args.norm) if args.qk_norm else None
         self.k_norm = rms_norm(hd, args.norm_eps, args.norm) if args.qk_norm else None
         per_layer = args.rope == "per-layer"
         self.rope = LayerRoPE(hd, max_seq_len, args.rope_theta, args.rope_format) if per_layer else None
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        bs, seq, _ = x.shape
-        hd = self.head_dim
-        if not hasattr(self, "wqkv"):
-            return tuple(w(x).view(bs, seq, -1, hd) for w in (self.wq, self.wk, self.wv))
-        qkv = self.wqkv(x).view(bs, seq, -1, self.n_rep + 2, hd)
-        q, k, v = torch.split(qkv, [self.n_rep, 1, 1], dim=-2)
-        return tuple(t.reshape(bs, seq, -1, hd).contiguous() for t in (q, k, v))
-
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         bs, seq, _ = x.shape
-        q, k, v = self.qkv(x)
+        q, k, v = project_qkv(self, x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, k) if self.rope is not None else (apply_rope(q, rope), apply_rope(k, rope))
