@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyperdryrun.models.moe import MLAttention, TokenDispatcher
 from hyperdryrun.parallel.ac import apply_ac
-from hyperdryrun.parallel.fsdp import fsdp_enabled, fsdp_mesh, mixed_precision
+from hyperdryrun.parallel.fsdp import fsdp_enabled, fsdp_mesh, mixed_precision, shard_embedding_and_head
 from hyperdryrun.parallel.tp import apply_tp, decoder_block_tp_plan
 from hyperdryrun.world.values import ValueRuleError, active_rules
 
@@ -366,15 +366,7 @@ def _torchtitan_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None
     p = cfg.parallel
     config = {"mesh": dp_mesh, "mp_policy": mixed_precision(cfg)}
     blocks_reshard = p.reshard_after_forward and p.pp == 1
-    head = [m for m in (model.norm, model.output) if m is not None]
-    if model.args.tie_embeddings:
-        units = [m for m in (model.tok_embeddings, *head) if m is not None]
-        fully_shard(units, **config, reshard_after_forward=False)
-    else:
-        if model.tok_embeddings is not None:
-            fully_shard(model.tok_embeddings, **config, reshard_after_forward=blocks_reshard)
-        if len(head) == 2:
-            fully_shard(head, **config, reshard_after_forward=False)
+    head = shard_embedding_and_head(model, config, blocks_reshard)
     for block in model.layers.values():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         moe = getattr(inner, "moe", None)

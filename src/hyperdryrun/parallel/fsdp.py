@@ -70,16 +70,28 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, cfg: JobConfig) -> None:
     # after forward except under pipelining; the final norm and the head form one unit that is never resharded.
     blocks_reshard = reshard and cfg.parallel.pp == 1
     config = {"mesh": dp_mesh, "mp_policy": mp}
-    head = [m for m in (model.norm, model.output) if m is not None]
-    if model.args.tie_embeddings:
-        fully_shard(
-            [m for m in (model.tok_embeddings, *head) if m is not None], **config, reshard_after_forward=False
-        )
-    else:
-        if model.tok_embeddings is not None:
-            fully_shard(model.tok_embeddings, **config, reshard_after_forward=blocks_reshard)
-        if len(head) == 2:
-            fully_shard(head, **config, reshard_after_forward=False)
+    shard_embedding_and_head(model, config, blocks_reshard)
     for block in model.layers.values():
         fully_shard(block, **config, reshard_after_forward=blocks_reshard)
     fully_shard(model, **config)
+
+
+def shard_embedding_and_head(
+    model: nn.Module, config: dict[str, Any], blocks_reshard: bool
+) -> list[nn.Module]:
+    """torchtitan 0.3.0's FSDP2 units around the blocks (``apply_fsdp_to_decoder``): the embedding (resharded after
+    forward as the blocks are), the final norm and head as one unit never resharded; with tied embeddings all three
+    are one unit, never resharded. Modules this pipeline stage lacks are left out. ``config``: fully_shard's mesh and
+    mixed-precision policy. Returns the stage's head modules (norm and output), for prefetching."""
+    from torch.distributed.fsdp import fully_shard
+
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if model.args.tie_embeddings:
+        units = [m for m in (model.tok_embeddings, *head) if m is not None]
+        fully_shard(units, **config, reshard_after_forward=False)
+        return head
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, **config, reshard_after_forward=blocks_reshard)
+    if len(head) == 2:
+        fully_shard(head, **config, reshard_after_forward=False)
+    return head
