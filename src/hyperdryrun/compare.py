@@ -255,8 +255,8 @@ def compare(
     ``blocks`` (``matching`` rule, ``live_sets_complete``, ``only_in_a``/``only_in_b``: count, bytes, ``top``
     largest), ``reserved`` (:func:`reserved_comparison`; None unless both sides have the caching allocator's
     figures, which a tensors-only snapshot has not), ``step_only`` (:func:`step_comparison`: what both sides see,
-    and the baseline difference apart; None unless both sides have their blocks). When one side has no baseline (:func:`no_baseline`), the verdict is the
-    step-only peak's (``judged_on`` ``"step_only"``).
+    and the baseline difference apart; None unless both sides have their blocks). When one side has no baseline
+    (:func:`no_baseline`), the verdict is the step-only peak's (``judged_on`` ``"step_only"``).
     """
     ra, rb = a.report, b.report
     sa, sb = ra["summary"], rb["summary"]
@@ -281,6 +281,7 @@ def compare(
         for p in STEP_PHASES
         if str(p) in pa or str(p) in pb
     }
+    tensors_only = _tensors_only(a), _tensors_only(b)
     la, lb = ra["peak_live_set"], rb["peak_live_set"]
     only_a, only_b = unmatched_blocks(la["blocks"], lb["blocks"])
 
@@ -292,7 +293,7 @@ def compare(
             "peak_phase": sa.get("peak_phase"),
             "peak_op": sa.get("peak_op"),
             "initial_bytes": sa.get("initial_bytes"),
-            "tensors_only": _tensors_only(a),
+            "tensors_only": tensors_only[0],
         },
         "b": {
             "source": b.source,
@@ -300,7 +301,7 @@ def compare(
             "peak_phase": sb.get("peak_phase"),
             "peak_op": sb.get("peak_op"),
             "initial_bytes": sb.get("initial_bytes"),
-            "tensors_only": _tensors_only(b),
+            "tensors_only": tensors_only[1],
         },
         "peak": peak,
         "allocated": allocated,
@@ -313,7 +314,7 @@ def compare(
         "phases": phases,
         "modules": _modules(ra, rb),
         # a tensors-only snapshot's segments are not an allocator's: nothing reserved to compare with
-        "reserved": None if _tensors_only(a) or _tensors_only(b) else reserved_comparison(sa, sb),
+        "reserved": None if any(tensors_only) else reserved_comparison(sa, sb),
         "blocks": {
             "matching": MATCHING,
             "live_sets_complete": complete,
@@ -352,8 +353,7 @@ def _allocated(side: Side) -> int | None:
     ``peak_allocated_bytes``; None where the side has no such figure."""
     summary = side.report["summary"]
     if side.kind == SNAPSHOT:
-        allocator = (side.report.get("metadata") or {}).get("allocator_blocks", True)
-        return int(summary["peak_bytes"]) if allocator else None
+        return None if _tensors_only(side) else int(summary["peak_bytes"])
     value = summary.get("peak_allocated_bytes")
     return None if value is None else int(value)
 
@@ -468,11 +468,7 @@ def print_comparison(result: dict[str, Any], console: Any = None, top: int = TOP
         )
         table("phase peaks", list(result["phases"].items()))
     res = result.get("reserved")
-    written = [
-        side.upper()
-        for side in ("a", "b")
-        if result[side]["kind"] == SNAPSHOT and result[side]["tensors_only"]
-    ]
+    written = [side.upper() for side in ("a", "b") if result[side]["tensors_only"]]
     if written:
         console.print(
             f"no caching-allocator comparison: {' and '.join(written)} is a snapshot HyperDryRun wrote from a "

@@ -124,7 +124,7 @@ def device_mesh_patches() -> list[Patch]:
             DeviceMesh,
             "mesh",
             property(mesh, doc=prop.__doc__),
-            "torch 2.13 DeviceMesh.mesh computes the mesh tensor with tensor ops on every read: under the dry "
+            "torch 2.11-2.14 DeviceMesh.mesh computes the mesh tensor with tensor ops on every read: under the dry "
             "run's FakeTensorMode it is a fake tensor without values (mesh.mesh.tolist() fails)",
         )
     ]

@@ -56,11 +56,11 @@ def gradless_parameters(model: nn.Module) -> Iterator[Callable[[], list[str]]]:
             prefix.append(parts[0])
         under = f" under {'.'.join(prefix)}" if prefix else ""
         shown = ", ".join(fqns[:3]) + (f" and {len(fqns) - 3} more" if len(fqns) > 3 else "")
+        plural = "s" if len(found) != 1 else ""
         return [
-            f"no gradient in this step: {len(found)} parameter{'s' if len(found) != 1 else ''}{under} ({shown}) got "
-            "none, so the optimizer skipped "
-            f"them; their optimizer states ({state:,} B) are counted, as a job whose steps reach them holds them "
-            "(one whose steps never do, e.g. text-only batches for a vision encoder, never makes them)"
+            f"no gradient in this step: {len(found)} parameter{plural}{under} ({shown}) got none, so the optimizer "
+            f"skipped them; their optimizer states ({state:,} B) are counted, as a job whose steps reach them holds "
+            "them (one whose steps never do, e.g. text-only batches for a vision encoder, never makes them)"
         ]
 
     handle = register_optimizer_step_pre_hook(pre_hook)
