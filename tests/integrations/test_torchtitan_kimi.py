@@ -24,15 +24,7 @@ pytest.importorskip(
 
 from hyperdryrun.integrations.torchtitan import measured_routing, simulate_torchtitan  # noqa: E402
 from hyperdryrun.measure.torchtitan import measure_torchtitan  # noqa: E402
-from hyperdryrun.trace.blocks import STEP_PHASES  # noqa: E402
-from tests.integrations.test_torchtitan_measure import (  # noqa: E402
-    by_category,
-    cpu_scalar_blocks,
-    host_blocks,
-    kernel_scratch_blocks,
-    live,
-)
-from tests.integrations.test_torchtitan_moe import wrapped_scalar_blocks  # noqa: E402
+from tests.integrations.test_torchtitan_moe import assert_measured_step  # noqa: E402
 
 pytestmark = pytest.mark.slow  # two real steps of a 2-layer model (about 20 s)
 
@@ -72,33 +64,7 @@ def test_the_vision_encoder_has_optimizer_states_only_in_the_dry_run(measured_an
 
 def test_dry_run_equals_the_measured_step_but_the_vision_encoder_states(measured_and_dry):
     measured, dry = measured_and_dry
-    states = 2 * vision(measured.blocks, "Parameter")
-    left_out = {
-        id(b)
-        for b in [
-            *host_blocks(measured),
-            *cpu_scalar_blocks(measured),
-            *wrapped_scalar_blocks(measured),
-            *kernel_scratch_blocks(measured),
-        ]
-    }
-    kept = [b for b in measured.blocks if id(b) not in left_out]
-    totals = [live(kept, t) for t in range(measured.num_tasks)]
-    dry_totals = [live(dry.blocks, t) - states for t in range(dry.num_tasks)]
-    assert max(dry_totals) == max(totals)
-    measured_peak = by_category(kept, totals.index(max(totals)))
-    dry_peak = by_category(dry.blocks, dry.peak_task)
-    dry_peak["Optstate"] -= states
-    assert measured_peak == dry_peak
-    for phase in STEP_PHASES:
-        sides = [
-            [totals[t] for t in range(measured.num_tasks) if measured.task_phase[t] is phase],
-            [dry_totals[t] for t in range(dry.num_tasks) if dry.task_phase[t] is phase],
-        ]
-        assert max(sides[0], default=None) == max(sides[1], default=None), phase
-    end, dry_end = by_category(kept, measured.num_tasks), by_category(dry.blocks, dry.num_tasks)
-    dry_end["Optstate"] -= states
-    assert end == dry_end
+    assert_measured_step(measured, dry, dry_only_optstate=2 * vision(measured.blocks, "Parameter"))
 
 
 def test_the_dry_run_says_which_parameters_got_no_gradient(measured_and_dry):
