@@ -191,6 +191,27 @@ def test_the_first_command_prints_the_output_the_readme_shows(tmp_path, monkeypa
     assert (s["peak_phase"], s["peak_task"], s["peak_op"]) == (phase, int(task), op)
 
 
+def test_the_first_command_s_allocated_at_lines_are_the_lines_that_make_those_blocks():
+    """The README's table of the largest blocks names llama.py lines: each must still be the line of that block's
+    code (the loss's cross entropy, the module's forward or its constructor), or the README is stale."""
+    shown = re.search(r"```\n(llama3-8b · rank 0 of 8 .*?)```", README.read_text(), flags=re.S).group(1)
+    source = (README.parent / "src" / "hyperdryrun" / "models" / "llama.py").read_text().splitlines()
+    rows = [
+        [cell.strip() for cell in line.split("│")]
+        for line in shown.splitlines()
+        if re.search(r"│ llama\.py:\d+\s*$", line)
+    ]
+    assert len(rows) == 8, rows
+    for _, _, op, module, phase, at in rows:
+        code = source[int(at.split(":")[1]) - 1]
+        if not module:  # the loss, outside modules
+            assert "F.cross_entropy(" in code, (op, at, code)
+        elif phase == "init":  # the line that created the parameter
+            assert f"self.{module} = nn." in code, (module, at, code)
+        else:  # the forward line that ran the module
+            assert f"self.{module}(" in code, (module, at, code)
+
+
 def test_the_readme_states_every_limit_with_its_default():
     from hyperdryrun.commands.job import WORLD_SIZE
     from hyperdryrun.ingest.files import LIMITS

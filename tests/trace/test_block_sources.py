@@ -36,13 +36,13 @@ def test_set_up_and_backward_blocks_carry_the_model_lines_they_belong_to():
     # the caller (this test) is an outer frame of every stack, never the line a block is attributed to
     assert not any(top(b)[0] == __file__ for b in trace.blocks)
     wqkv = "layers.0.attention.wqkv"
-    created = (str(LLAMA), _line_of("self.wqkv = nn.Linear("))
+    created = (str(LLAMA), _line_of("attention.wqkv = nn.Linear("))
     setup = [b for b in trace.blocks if b.module == wqkv and str(b.phase) == "initialization"]
     # the sharded weight and its two AdamW states, all made for the parameter that line created
     assert sorted(str(b.category) for b in setup) == ["Optstate", "Optstate", "Parameter"]
     assert {top(b)[:2] for b in setup} == {created}
     # backward: the weight's gradient and the input's gradient, made by the autograd node of the forward matmul
-    used = (str(LLAMA), _line_of("qkv = self.wqkv(x)"))
+    used = (str(LLAMA), _line_of("qkv = attention.wqkv(x)"))
     backward = [b for b in trace.blocks if b.module == wqkv and str(b.phase) == "backward" and b.op == "mm"]
     assert len(backward) == 2
     assert {top(b)[:2] for b in backward} == {used}
