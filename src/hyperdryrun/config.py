@@ -351,6 +351,17 @@ class JobConfig(_Strict):
 
         return Margin(self.margin_gib, self.margin_pct)
 
+    @property
+    def target(self) -> Any:
+        """The resolved :class:`~hyperdryrun.world.target.DeviceTarget`: device, CUDA runtime (GPU preset,
+        allocator settings), capacity and margin, the one place they are read from."""
+        from hyperdryrun.world.target import DeviceTarget
+
+        try:
+            return DeviceTarget(self.target_device, self.cuda, self.device_memory_gib, self.margin)
+        except ValueError as err:  # a capacity whose bytes overflow: one line naming the field
+            raise ConfigError(str(err)) from None
+
     @model_validator(mode="after")
     def _one_margin(self) -> JobConfig:
         if self.margin_gib is not None and self.margin_pct is not None:
@@ -635,6 +646,13 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {str(p)!r} must hold a mapping, got {type(data).__name__}")
     return data
+
+
+def check_rank(rank: int, world_size: int | None, error: type[ConfigError] | None = None) -> None:
+    """The one check of a rank against its world (``--rank``, every front door): ``0 <= rank < world_size``
+    (``world_size`` None: not known yet, only ``rank >= 0``); a one-line ``error`` (ConfigError) otherwise."""
+    if rank < 0 or (world_size is not None and rank >= world_size):
+        raise (error or ConfigError)(f"--rank: must satisfy 0 <= rank < world_size={world_size} (got {rank})")
 
 
 TORCHRUN_VARS = {"world_size": "WORLD_SIZE", "rank": "RANK", "local_rank": "LOCAL_RANK"}

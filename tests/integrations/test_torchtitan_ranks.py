@@ -110,7 +110,7 @@ def test_fit_tries_each_layout_of_the_world_and_chooses_the_first_that_fits(tmp_
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--fit"], "--fit needs a capacity: give --device-memory-gib"),
+        (["--fit"], "--fit needs a capacity: give --gpu or --device-memory-gib"),
         (["--all-ranks", "--rank", "1"], "--rank and --ranks/--all-ranks/--fit: give one of them"),
         (["--fit", "--device-memory-gib", "8", "--fit-tp", "0"], "--fit-tp: degrees must be >= 1 (got 0)"),
     ],

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION, Margin
+from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
 from hyperdryrun.commands.job import _BOOL, RUN_FLAGS, _dest, _set, naming_flag
 from hyperdryrun.commands.preflight import check_output_dir, check_output_file
@@ -200,26 +200,23 @@ def _space(args: argparse.Namespace, is_moe: bool) -> Any:
         raise ConfigError(msg) from None
 
 
-def _capacity(args: argparse.Namespace) -> tuple[int, str | None]:
-    from hyperdryrun.world.gpus import GiB, gpu_preset
+def _target(args: argparse.Namespace) -> Any:
+    """The device target (:class:`~hyperdryrun.world.target.DeviceTarget`) of ``--gpu``, ``--device-memory-gib``
+    and the margins, as every front door resolves it; the search needs its capacity."""
+    from hyperdryrun.commands.job import target_from_args
 
     if args.gpu is None and args.device_memory_gib is None:
         raise ConfigError(
             "--gpu or --device-memory-gib: give the device (a GPU preset or its capacity in GiB)"
         )
-    if args.device_memory_gib is not None:
-        if not (args.device_memory_gib > 0 and math.isfinite(args.device_memory_gib * GiB)):
+    try:
+        return target_from_args(args)
+    except ConfigError as err:
+        if "device_memory_gib" in str(err):  # inf passes pydantic's > 0: the target's own check says finite
             raise ConfigError(
                 f"--device-memory-gib: must be a finite number > 0 (got {args.device_memory_gib})"
-            )
-    if args.gpu is not None:
-        try:
-            preset = gpu_preset(args.gpu)
-        except ValueError as err:
-            raise ConfigError(f"--gpu: {err}") from None
-        if args.device_memory_gib is None:
-            return preset.capacity_bytes, args.gpu
-    return int(round(args.device_memory_gib * GiB)), args.gpu
+            ) from None
+        raise
 
 
 def _global_seqs(args: argparse.Namespace, seq_len: int) -> int:
@@ -237,13 +234,9 @@ def _global_seqs(args: argparse.Namespace, seq_len: int) -> int:
     return tokens // seq_len
 
 
-def _rates(args: argparse.Namespace, gpu: str | None) -> Any:
-    from hyperdryrun.search.roofline import GB, rates_for
+def _rates(args: argparse.Namespace, target: Any) -> Any:
+    from hyperdryrun.world.gpus import GB
 
-    try:
-        rates = rates_for(gpu)
-    except ValueError as err:
-        raise ConfigError(f"--gpu: {err}") from None
     given = {  # field: (its flag, the value given, the factor to the field's unit)
         "peak_flops": ("--peak-tflops", args.peak_tflops, 1e12),
         "hbm_bytes_per_s": ("--hbm-gbps", args.hbm_gbps, GB),
@@ -256,7 +249,7 @@ def _rates(args: argparse.Namespace, gpu: str | None) -> Any:
         if value is not None and not (value > 0 and math.isfinite(value * factor)):
             raise ConfigError(f"{flag}: must be a finite number > 0 (got {value})")
         over[name] = None if value is None else value * factor
-    return rates.with_overrides(**over)
+    return target.rates.with_overrides(**over)
 
 
 def fit_job_from_args(args: argparse.Namespace) -> Any:
@@ -265,11 +258,8 @@ def fit_job_from_args(args: argparse.Namespace) -> Any:
 
     base = _base_job(args)
     is_moe = build_config({"model": base["model"]}).model.is_moe
-    capacity, gpu = _capacity(args)
-    try:
-        margin = Margin(args.margin_gib, args.margin_pct)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    target = _target(args)
+    capacity = target.capacity_bytes
     if args.top < 0:
         raise ConfigError(f"--top: must be >= 0 (got {args.top})")
     if args.jobs is not None and args.jobs < 1:
@@ -279,12 +269,12 @@ def fit_job_from_args(args: argparse.Namespace) -> Any:
         capacity_bytes=capacity,
         global_batch_seqs=_global_seqs(args, base["training"]["seq_len"]),
         space=_space(args, is_moe),
-        rates=_rates(args, gpu),
-        gpu=gpu,
+        rates=_rates(args, target),
+        gpu=target.gpu,
         top=args.top,
         shortcut=not args.no_shortcut,
-        margin_bytes=margin.bytes_for(capacity),
-        margin_source=margin.source(),
+        margin_bytes=target.margin_bytes,
+        margin_source=target.margin.source(),
     )
 
 

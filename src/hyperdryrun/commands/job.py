@@ -193,6 +193,48 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--live-set-limit": ("live_set_limit", int, "blocks of the peak live set written in full"),
 }
 FLAG_OF = {path: flag for flag, (path, _, _) in RUN_FLAGS.items()}
+TARGET_FLAGS = (
+    "--target-device",
+    "--gpu",
+    "--alloc-conf",
+    "--device-memory-gib",
+    "--margin-gib",
+    "--margin-pct",
+)
+"""The device target's flags (:class:`hyperdryrun.world.target.DeviceTarget`), the same on every front door."""
+
+
+def add_flags(parser: Any, flags: tuple[str, ...]) -> None:
+    """``run``'s ``flags`` (of :data:`RUN_FLAGS`) on another command's ``parser``, with the same help and default."""
+    for flag in flags:
+        path, typ, help_ = RUN_FLAGS[flag]
+        parser.add_argument(flag, dest=_dest(flag), type=typ, default=None, metavar=path.split(".")[-1],
+                            help=_with_default(path, help_))  # fmt: skip
+
+
+def flag_data(args: argparse.Namespace, flags: tuple[str, ...]) -> dict[str, Any]:
+    """The job fields ``flags`` set on the command line, as nested data for :func:`build_config`."""
+    data: dict[str, Any] = {}
+    for flag in flags:
+        value = getattr(args, _dest(flag))
+        if value is not None:
+            _set(data, RUN_FLAGS[flag][0], value)
+    return data
+
+
+def target_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~hyperdryrun.world.target.DeviceTarget` of the target flags (one-line ConfigError naming the
+    flag otherwise): the front doors whose job is not a :class:`JobConfig` of the built-in recipe resolve it here."""
+    from hyperdryrun.allocator.verdict import Margin
+
+    try:
+        Margin(args.margin_gib, args.margin_pct)  # its one-line messages name the flags
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        return build_config(flag_data(args, TARGET_FLAGS)).target
+    except ConfigError as err:
+        raise naming_flag(err) from None
 
 
 def naming_flag(err: ConfigError) -> ConfigError:

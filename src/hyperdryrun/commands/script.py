@@ -22,7 +22,15 @@ from hyperdryrun.commands import (
     fail,
     internal_error,
 )
-from hyperdryrun.commands.job import RUN_FLAGS, _dest, _set, _with_default, merge_rank_identity, naming_flag
+from hyperdryrun.commands.job import (
+    RUN_FLAGS,
+    _dest,
+    _set,
+    _with_default,
+    merge_rank_identity,
+    naming_flag,
+    target_from_args,
+)
 from hyperdryrun.commands.run import finish_rank, parse_ranks
 from hyperdryrun.config import ConfigError, build_config
 
@@ -220,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.in_process and (many or args.fit):
             raise ConfigError("--in-process runs one rank: drop --ranks/--all-ranks/--fit")
-        if args.fit and base.get("device_memory_gib") is None and not base.get("cuda", {}).get("gpu"):
+        if args.fit and target_from_args(args).capacity_bytes is None:
             raise ConfigError("--fit needs a capacity: give --gpu or --device-memory-gib")
     except ConfigError as err:
         return fail(str(err), err, args.debug)

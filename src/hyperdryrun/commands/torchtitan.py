@@ -10,12 +10,12 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION, Margin
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, exit_code_of, fail, one_line
 from hyperdryrun.commands.fit import _ints
+from hyperdryrun.commands.job import TARGET_FLAGS, add_flags, flag_data, target_from_args
 from hyperdryrun.commands.measure import CPU_ONLY_NOTE
 from hyperdryrun.commands.preflight import check_cuda_environment, check_rank_outputs
-from hyperdryrun.config import ConfigError, JobConfig, build_config, rank_from_env
+from hyperdryrun.config import ConfigError, JobConfig, build_config, check_rank, rank_from_env
 from hyperdryrun.search.space import SearchSpace
 
 _DEFAULTS = JobConfig.model_fields
@@ -51,7 +51,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--world-size",
         type=int,
-        help="ranks in the job (default: $WORLD_SIZE, else the product of torchtitan's parallelism degrees)",
+        help="ranks in the job (default: $WORLD_SIZE, else the product of torchtitan's parallelism degrees; one rank: "
+        "else 1, a process started without torchrun)",
     )
     p.add_argument("--rank", type=int, help="the rank to simulate (default: $RANK, else 0)")
     p.add_argument("--local-rank", type=int, help="local rank (default: $LOCAL_RANK, else the rank)")
@@ -69,25 +70,7 @@ def register(subparsers: Any) -> None:
         "dry-running it; same report format, metadata.mode 'measured' (needs --attention sdpa for FlexAttention "
         "models; compare with a dry run of --attention sdpa --target-device cpu)",
     )
-    p.add_argument(
-        "--target-device",
-        choices=("cuda", "cpu"),
-        default=_DEFAULTS["target_device"].default,
-        help="the device whose memory is estimated (cuda)",
-    )
-    p.add_argument(
-        "--device-memory-gib", type=float, help="capacity: adds headroom and a verdict (fits, at risk, OOM)"
-    )
-    p.add_argument(
-        "--margin-gib",
-        type=float,
-        help=f"verdict margin in GiB; 'at risk' exits 1 (default: {100 * DEVICE_ERROR_FRACTION:g}%% of the capacity)",
-    )
-    p.add_argument(
-        "--margin-pct",
-        type=float,
-        help=f"verdict margin in percent of the capacity (default: {100 * DEVICE_ERROR_FRACTION:g})",
-    )
+    add_flags(p, TARGET_FLAGS)
     p.add_argument(
         "--routing-from",
         metavar="REPORT",
@@ -142,16 +125,9 @@ def _identity(args: argparse.Namespace) -> dict[str, int | None]:
     local_rank = args.local_rank if args.local_rank is not None else env.get("local_rank")
     if world_size is not None and world_size < 1:
         raise ConfigError(f"--world-size: must be >= 1 (got {world_size})")
-    if rank < 0 or (world_size is not None and rank >= world_size):
-        raise ConfigError(f"--rank: must satisfy 0 <= rank < world_size={world_size} (got {rank})")
+    check_rank(rank, world_size)
     if args.n_layers is not None and args.n_layers < 1:
         raise ConfigError(f"--n-layers: must be >= 1 (got {args.n_layers})")
-    if args.device_memory_gib is not None and not args.device_memory_gib > 0:
-        raise ConfigError(f"--device-memory-gib: must be > 0 (got {args.device_memory_gib})")
-    try:
-        Margin(args.margin_gib, args.margin_pct)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
     return {"world_size": world_size, "rank": rank, "local_rank": local_rank}
 
 
@@ -179,19 +155,12 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
     from hyperdryrun.report import blocks_csv, build_report, error_report, write_error_report, write_reports
 
     options = dict(options)
-    rank = options["rank"]
+    rank, target = options["rank"], options["target"]
     try:
         if options["world_size"] is None:
-            options["world_size"] = infer_world_size(options["argv"])
-            if options["world_size"] is None:
-                raise TorchtitanError(
-                    "--world-size: torchtitan's parallelism degrees leave the world size open "
-                    "(parallelism.data_parallel_shard_degree -1); give --world-size or $WORLD_SIZE"
-                )
-            if rank >= options["world_size"]:
-                raise TorchtitanError(
-                    f"--rank: must satisfy 0 <= rank < world_size={options['world_size']} (got {rank})"
-                )
+            # a process started without torchrun is a world of one, as torchtitan's own launch has it
+            options["world_size"] = infer_world_size(options["argv"]) or 1
+            check_rank(rank, options["world_size"], TorchtitanError)
         job = {
             "world_size": options["world_size"],
             "rank": rank,
@@ -199,6 +168,7 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
             "n_layers": options["n_layers"],
             "capture_stacks": options["capture_stacks"],
             "attention": options.get("attention"),
+            "cuda": target.runtime,
         }
         if options.get("routing_from"):
             if options.get("measure"):
@@ -209,10 +179,10 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
             job["routing"] = routing_from_report(options["routing_from"])
         if options.get("measure"):
             trace = measure_torchtitan(options["argv"], **job)
-            if options["target_device"] != "cpu":
-                trace.limitations.append(CPU_ONLY_NOTE.format(target=options["target_device"]))
+            if target.device != "cpu":
+                trace.limitations.append(CPU_ONLY_NOTE.format(target=target.device))
         else:
-            trace = simulate_torchtitan(options["argv"], target_device=options["target_device"], **job)
+            trace = simulate_torchtitan(options["argv"], target_device=target.device, **job)
     except (TorchtitanError, MeasureError) as err:
         return {"report": {}, "paths": [], "error": str(err)}
     except SimulationError as err:
@@ -231,10 +201,7 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
             "traceback": tb,
         }
     report = build_report(
-        trace,
-        options["device_memory_gib"],
-        _DEFAULTS["live_set_limit"].default,
-        margin=Margin(*options.get("margin", (None, None))),
+        trace, target.device_memory_gib, _DEFAULTS["live_set_limit"].default, margin=target.margin
     )
     try:
         paths = write_reports(report, blocks_csv(trace), options["output_dir"], rank)
@@ -264,11 +231,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         identity = _identity(args)
-        check_cuda_environment(None, args.target_device)
+        target = target_from_args(args)
+        check_cuda_environment(target.runtime, target.device)
         check_rank_outputs(args.output_dir, [identity["rank"] or 0])
         many = args.ranks is not None or args.all_ranks or args.fit
         if many:
-            _check_many(args, identity)
+            _check_many(args, target)
     except ConfigError as err:
         return fail(str(err), err, args.debug)
     if many:
@@ -280,9 +248,7 @@ def run(args: argparse.Namespace) -> int:
         "attention": args.attention,
         "routing_from": args.routing_from,
         "measure": args.measure,
-        "target_device": args.target_device,
-        "device_memory_gib": args.device_memory_gib,
-        "margin": (args.margin_gib, args.margin_pct),
+        "target": target,
         "output_dir": args.output_dir,
         "capture_stacks": not args.no_stacks,
     }
@@ -313,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------- many ranks
-def _check_many(args: argparse.Namespace, identity: dict[str, int | None]) -> None:
+def _check_many(args: argparse.Namespace, target: Any) -> None:
     """The flags of --ranks/--all-ranks/--fit that go together (one-line ConfigError)."""
     if args.rank is not None:
         raise ConfigError("--rank and --ranks/--all-ranks/--fit: give one of them")
@@ -323,8 +289,8 @@ def _check_many(args: argparse.Namespace, identity: dict[str, int | None]) -> No
         raise ConfigError("--in-process runs one rank: drop --ranks/--all-ranks/--fit")
     if args.jobs is not None and args.jobs < 1:
         raise ConfigError(f"--jobs: must be >= 1 (got {args.jobs})")
-    if args.fit and args.device_memory_gib is None:
-        raise ConfigError("--fit needs a capacity: give --device-memory-gib")
+    if args.fit and target.capacity_bytes is None:
+        raise ConfigError("--fit needs a capacity: give --gpu or --device-memory-gib")
     if args.fit and args.measure:
         raise ConfigError("--fit dry-runs each layout: drop --measure")
     for name in ("tp", "pp", "cp", "ep"):
@@ -371,15 +337,12 @@ def _many(args: argparse.Namespace, identity: dict[str, int | None]) -> int:
 def _config(
     args: argparse.Namespace, identity: dict[str, int | None], size: int, output_dir: str
 ) -> JobConfig:
-    """The runner's job: the world, target device, capacity, margin and output (the model is torchtitan's)."""
+    """The runner's job: the world, the device target (:data:`TARGET_FLAGS`) and output (the model is
+    torchtitan's)."""
     world = {"world_size": size, "rank": 0}
     if identity["local_rank"] is not None:
         world["local_rank"] = identity["local_rank"]
-    data: dict[str, Any] = {"world": world, "target_device": args.target_device, "output_dir": output_dir}
-    for name in ("device_memory_gib", "margin_gib", "margin_pct"):
-        if getattr(args, name) is not None:
-            data[name] = getattr(args, name)
-    return build_config(data)
+    return build_config({**flag_data(args, TARGET_FLAGS), "world": world, "output_dir": output_dir})
 
 
 def _run(args: argparse.Namespace, cfg: JobConfig, ranks: list[int], argv: list[str]) -> list[Any]:
@@ -455,6 +418,7 @@ class TorchtitanExecute:
             local_rank=world.local_rank,
             n_layers=self.n_layers,
             attention=self.attention,
+            cuda=cfg.cuda,
         )
         try:
             if self.measure:

@@ -37,7 +37,7 @@ from hyperdryrun.compat import torchtitan as titan_compat
 from hyperdryrun.compat import torchtitan_families as families
 from hyperdryrun.compat.torchtitan import TESTED_VERSION, torchtitan_version
 from hyperdryrun.compat.versions import torch_version
-from hyperdryrun.config import ConfigError
+from hyperdryrun.config import ConfigError, check_rank
 from hyperdryrun.patches import Patch, PatchSet
 
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -242,6 +242,9 @@ class TorchtitanJob:
     routing: dict[str, list[int]] | None = None
     """MoE routing of the dry run: per-expert token counts by routed-experts module FQN (e.g. a measured run's,
     :func:`measured_routing`); modules not named route balanced."""
+    cuda: Any = None
+    """The CUDA runtime of a CUDA target (:class:`~hyperdryrun.world.runtime.CudaRuntime`: the GPU preset's SDPA
+    rules, cuBLAS workspace and capacity, the allocator settings); None: the defaults."""
     config: Any = None
     limitations: list[str] = dataclasses.field(default_factory=list)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -843,6 +846,7 @@ class TorchtitanJob:
             mesh_shape=(self.world_size,),
             mesh_dim_names=("world",),
             target_device=self.target_device,
+            cuda=self.cuda,
             num_micro_batches=self.gradient_accumulation_steps * self.pp_microbatches,
             metadata=self.metadata,
             held_fn=self._held_buffers,
@@ -884,6 +888,8 @@ class JobArgs(TypedDict, total=False):
     target_device: str
     attention: str | None
     routing: dict[str, list[int]] | None
+    cuda: Any
+    """A CUDA target's :class:`~hyperdryrun.world.runtime.CudaRuntime` (``--gpu``, ``--alloc-conf``)."""
 
 
 @contextlib.contextmanager
@@ -904,8 +910,7 @@ def torchtitan_job(
         )
     if world_size < 1:
         raise TorchtitanError(f"--world-size: must be >= 1 (got {world_size})")
-    if not 0 <= rank < world_size:
-        raise TorchtitanError(f"--rank: must satisfy 0 <= rank < world_size={world_size} (got {rank})")
+    check_rank(rank, world_size, TorchtitanError)
     import torchtitan.trainer  # noqa: F401  (imports the modules whose device globals are patched)
 
     job = TorchtitanJob(
@@ -918,6 +923,7 @@ def torchtitan_job(
         args.get("attention"),
         real,
         args.get("routing"),
+        None if real else args.get("cuda"),
     )
     untested = titan_compat.untested(version)
     if untested is not None:

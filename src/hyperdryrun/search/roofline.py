@@ -27,90 +27,31 @@ num_micro_batches``) and every quantity split evenly over the ranks that share i
 
 The step estimate is ``compute * (1 + bubble) + TP + CP + EP + PP + max(0, FSDP + HSDP - compute) + optimizer``:
 TP, CP, EP and point-to-point transfers sit on the critical path, FSDP2's prefetched all-gathers and reduce-scatters
-overlap the compute. Rates come from the GPU preset (:data:`RATES`, vendor datasheets cited there) and can be
+overlap the compute. Rates come from the GPU preset (:data:`hyperdryrun.world.gpus.GPU_PRESETS`, vendor datasheets cited there) and can be
 overridden.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hyperdryrun.search.bounds import DTYPE_BYTES, optimizer_states, state_bound
+from hyperdryrun.world.gpus import DEFAULT_GPU, GPU_PRESETS, Rates, gpu_preset
 
 if TYPE_CHECKING:
     from hyperdryrun.config import JobConfig
 
-GB = 10**9
-
-
-@dataclass(frozen=True)
-class Rates:
-    """What a step's time is estimated from: one GPU's peak dense bf16 FLOP/s and HBM bandwidth, the per-GPU
-    bandwidth (one direction) within a node and between nodes, and GPUs per node."""
-
-    peak_flops: float
-    hbm_bytes_per_s: float
-    intra_node_bytes_per_s: float
-    inter_node_bytes_per_s: float
-    gpus_per_node: int = 8
-    source: str = ""
-
-    def with_overrides(self, **changes: Any) -> Rates:
-        """These rates with the given fields replaced (None leaves a field as it is)."""
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
-
-
-_NDR = (
-    50 * GB
-)  # 400 Gb/s InfiniBand NDR / ConnectX-7, one NIC per GPU (DGX H100, HGX H200/B200, MI300X platforms)
-_HDR = 25 * GB  # 200 Gb/s InfiniBand HDR, one NIC per GPU (DGX A100)
-
-RATES: dict[str, Rates] = {
-    "a100-40gb": Rates(
-        312e12, 1555 * GB, 300 * GB, _HDR, 8,
-        "NVIDIA A100 datasheet: BF16 312 TFLOPS dense (624 with sparsity), HBM2 1,555 GB/s, NVLink 600 GB/s "
-        "(both directions); DGX A100: 8 x 200 Gb/s HDR",
-    ),
-    "a100-80gb": Rates(
-        312e12, 2039 * GB, 300 * GB, _HDR, 8,
-        "NVIDIA A100 datasheet: BF16 312 TFLOPS dense, HBM2e 2,039 GB/s (SXM), NVLink 600 GB/s; DGX A100: 8 x 200 Gb/s",
-    ),
-    "h100-80gb": Rates(
-        989.5e12, 3350 * GB, 450 * GB, _NDR, 8,
-        "NVIDIA H100 datasheet (SXM): BF16 1,979 TFLOPS with sparsity = 989.5 dense, HBM3 3.35 TB/s, NVLink 900 GB/s "
-        "(both directions); DGX H100: 8 x 400 Gb/s ConnectX-7",
-    ),
-    "h100-96gb": Rates(
-        989.5e12, 4000 * GB, 450 * GB, _NDR, 8,
-        "NVIDIA GH200 datasheet: H100 96GB HBM3 4 TB/s, BF16 989.5 TFLOPS dense, NVLink 900 GB/s",
-    ),
-    "h200": Rates(
-        989.5e12, 4800 * GB, 450 * GB, _NDR, 8,
-        "NVIDIA H200 datasheet (SXM): BF16 1,979 TFLOPS with sparsity = 989.5 dense, HBM3e 4.8 TB/s, NVLink 900 GB/s",
-    ),
-    "b200": Rates(
-        2250e12, 8000 * GB, 900 * GB, _NDR, 8,
-        "NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS with sparsity for 8 GPUs = 2.25 PFLOPS dense per GPU, HBM3e "
-        "8 TB/s per GPU, NVLink 5 1.8 TB/s per GPU (both directions)",
-    ),
-    "mi300x": Rates(
-        1307.4e12, 5300 * GB, 448 * GB, _NDR, 8,
-        "AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense (2,614.9 with sparsity), HBM3 5.3 TB/s, "
-        "Infinity Fabric 896 GB/s peer bandwidth (both directions)",
-    ),
-}  # fmt: skip
-"""Rates of every GPU preset of :data:`hyperdryrun.world.gpus.GPU_PRESETS`, with their sources."""
+RATES: dict[str, Rates] = {name: preset.rates for name, preset in GPU_PRESETS.items()}
+"""The rates of every GPU preset (:data:`hyperdryrun.world.gpus.GPU_PRESETS`, the one GPU table, sources there)."""
 
 
 def rates_for(gpu: str | None) -> Rates:
-    """The rates of preset ``gpu`` (H100 80GB when None)."""
-    if gpu is None:
-        return RATES["h100-80gb"]
+    """The rates of preset ``gpu`` (:data:`~hyperdryrun.world.gpus.DEFAULT_GPU` when None)."""
     try:
-        return RATES[gpu]
-    except KeyError:
-        raise ValueError(f"gpu={gpu!r}: no rates for it; choose one of {', '.join(RATES)}") from None
+        return gpu_preset(DEFAULT_GPU if gpu is None else gpu).rates
+    except ValueError as err:
+        raise ValueError(f"{err} (no rates for it)") from None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ preset's ``capacity_source`` says where its figure comes from, and which are est
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from hyperdryrun.compat.torch_cublas import (
     HIPBLAS_WORKSPACE_GFX94,
@@ -28,11 +29,35 @@ from hyperdryrun.compat.torch_cublas import (
 
 GiB = 2**30
 MiB = 2**20
+GB = 10**9
 
 NCCL_DEFAULT_BUFFSIZE = 1 << 22
 """``NCCL_BUFFSIZE`` unset: 4 MiB per channel, peer and direction for the Simple protocol (NVIDIA/nccl src/init.cc
 ``#define DEFAULT_BUFFSIZE (1 << 22) /* 4MiB */``, ``computeBuffSizes``; ROCm/rccl src/init.cc has the same default).
 Some NCCL versions take ``DEFAULT_BUFFSIZE_ARM`` (1 MiB) on an ARM host such as Grace: the host CPU is not modelled."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a step's time is estimated from (:mod:`hyperdryrun.search.roofline`): one GPU's peak dense bf16 FLOP/s
+    and HBM bandwidth, the per-GPU bandwidth (one direction) within a node and between nodes, and GPUs per node."""
+
+    peak_flops: float
+    hbm_bytes_per_s: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    gpus_per_node: int = 8
+    source: str = ""
+
+    def with_overrides(self, **changes: Any) -> Rates:
+        """These rates with the given fields replaced (None leaves a field as it is)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+_NDR = (
+    50 * GB
+)  # 400 Gb/s InfiniBand NDR / ConnectX-7, one NIC per GPU (DGX H100, HGX H200/B200, MI300X platforms)
+_HDR = 25 * GB  # 200 Gb/s InfiniBand HDR, one NIC per GPU (DGX A100)
 
 
 @dataclass(frozen=True)
@@ -55,13 +80,15 @@ class GpuPreset:
     """cuBLAS (hipBLAS on ROCm) workspace per (handle, stream) that runs a matmul, from the caching allocator."""
     blaslt_workspace_bytes: int
     """A separate cuBLASLt/hipBLASLt workspace per (handle, stream): 0 where it reuses the cuBLAS one (CUDA)."""
+    rates: Rates
+    """Peak rates for the layout search's step-time estimate, with their datasheet sources."""
     nccl_buffer_bytes: int = NCCL_DEFAULT_BUFFSIZE
     not_modelled: str = ""
     """Why a dry run cannot target this GPU yet (empty when it can)."""
 
 
 def _nvidia(
-    name: str, product: str, marketed: str, total: int, source: str, cc: tuple[int, int]
+    name: str, product: str, marketed: str, total: int, source: str, cc: tuple[int, int], rates: Rates
 ) -> GpuPreset:
     return GpuPreset(
         name=name,
@@ -73,6 +100,7 @@ def _nvidia(
         compute_capability=cc,
         blas_workspace_bytes=cublas_workspace_bytes(cc),
         blaslt_workspace_bytes=0,
+        rates=rates,
     )
 
 
@@ -89,6 +117,15 @@ GPU_PRESETS: dict[str, GpuPreset] = {
             "(https://github.com/bottlerocket-os/bottlerocket/issues/3873); torch's OOM messages print the same "
             "39.39 GiB",
             (8, 0),
+            Rates(
+                312e12,
+                1555 * GB,
+                300 * GB,
+                _HDR,
+                8,
+                "NVIDIA A100 datasheet: BF16 312 TFLOPS dense (624 with sparsity), HBM2 1,555 GB/s, NVLink 600 GB/s "
+                "(both directions); DGX A100: 8 x 200 Gb/s HDR",
+            ),  # fmt: skip
         ),
         _nvidia(
             "a100-80gb",
@@ -99,6 +136,15 @@ GPU_PRESETS: dict[str, GpuPreset] = {
             "older drivers print 79.25 GiB, https://github.com/levihsu/OOTDiffusion/issues/235), taken as the "
             "nearest MiB, 81,050 MiB",
             (8, 0),
+            Rates(
+                312e12,
+                2039 * GB,
+                300 * GB,
+                _HDR,
+                8,
+                "NVIDIA A100 datasheet: BF16 312 TFLOPS dense, HBM2e 2,039 GB/s (SXM), NVLink 600 GB/s; DGX A100: "
+                "8 x 200 Gb/s",
+            ),  # fmt: skip
         ),
         # NVIDIA H100 datasheet: H100 SXM 80GB HBM3; compute capability 9.0.
         _nvidia(
@@ -111,6 +157,15 @@ GPU_PRESETS: dict[str, GpuPreset] = {
             "https://github.com/huggingface/trl/issues/2688), as the nearest MiB, 81,009 MiB (two decimals of "
             "GiB fix it to +-5 MiB)",
             (9, 0),
+            Rates(
+                989.5e12,
+                3350 * GB,
+                450 * GB,
+                _NDR,
+                8,
+                "NVIDIA H100 datasheet (SXM): BF16 1,979 TFLOPS with sparsity = 989.5 dense, HBM3 3.35 TB/s, NVLink "
+                "900 GB/s (both directions); DGX H100: 8 x 400 Gb/s ConnectX-7",
+            ),  # fmt: skip
         ),
         # Six 16 GiB HBM3 stacks: the Hopper GPU of a GH200 96GB (an ARM Grace host) and the H20; cc 9.0.
         _nvidia(
@@ -123,6 +178,14 @@ GPU_PRESETS: dict[str, GpuPreset] = {
             "(nvidia-smi 81,559 MiB, https://github.com/modal-labs/modal-client/pull/2797, against torch's "
             "81,009 MiB)",
             (9, 0),
+            Rates(
+                989.5e12,
+                4000 * GB,
+                450 * GB,
+                _NDR,
+                8,
+                "NVIDIA GH200 datasheet: H100 96GB HBM3 4 TB/s, BF16 989.5 TFLOPS dense, NVLink 900 GB/s",
+            ),  # fmt: skip
         ),
         # NVIDIA H200 datasheet: 141GB HBM3e; the same GH100 die as H100, compute capability 9.0.
         _nvidia(
@@ -133,6 +196,15 @@ GPU_PRESETS: dict[str, GpuPreset] = {
             "measured for this project: torch 2.11.0+cu130 on an H200 (driver 580.159.04) reports total_memory = "
             "150,109,880,320 B = 139.80 GiB (nvidia-smi: 143,771 MiB)",
             (9, 0),
+            Rates(
+                989.5e12,
+                4800 * GB,
+                450 * GB,
+                _NDR,
+                8,
+                "NVIDIA H200 datasheet (SXM): BF16 1,979 TFLOPS with sparsity = 989.5 dense, HBM3e 4.8 TB/s, NVLink "
+                "900 GB/s",
+            ),  # fmt: skip
         ),
         # NVIDIA DGX/HGX B200 datasheets: 1,440 GB for 8 GPUs, 180 GB each (192 GB physical, as first announced:
         # huggingface/huggingface.js#1539); nvidia-smi shows 183359 MiB (NVIDIA/TensorRT-LLM#10278); cc 10.0.
@@ -144,6 +216,15 @@ GPU_PRESETS: dict[str, GpuPreset] = {
             "totalGlobalMem 178.35 GiB on a B200 (https://github.com/pytorch/ao/issues/4002), as the nearest "
             "MiB, 182,630 MiB",
             (10, 0),
+            Rates(
+                2250e12,
+                8000 * GB,
+                900 * GB,
+                _NDR,
+                8,
+                "NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS with sparsity for 8 GPUs = 2.25 PFLOPS dense per GPU, "
+                "HBM3e 8 TB/s per GPU, NVLink 5 1.8 TB/s per GPU (both directions)",
+            ),  # fmt: skip
         ),
         GpuPreset(
             name="mi300x",
@@ -156,6 +237,15 @@ GPU_PRESETS: dict[str, GpuPreset] = {
             compute_capability=None,
             blas_workspace_bytes=HIPBLAS_WORKSPACE_GFX94,
             blaslt_workspace_bytes=HIPBLASLT_WORKSPACE,
+            rates=Rates(
+                1307.4e12,
+                5300 * GB,
+                448 * GB,
+                _NDR,
+                8,
+                "AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense (2,614.9 with sparsity), HBM3 5.3 TB/s, "
+                "Infinity Fabric 896 GB/s peer bandwidth (both directions)",
+            ),  # fmt: skip
             not_modelled=(
                 "the ROCm build of torch 2.13 chooses SDPA differently (no cuDNN; AOTriton flash attention first, "
                 "then memory-efficient without GQA, sdp_utils.cpp USE_ROCM branches) and its fused kernels' "
@@ -178,4 +268,4 @@ def gpu_preset(name: str) -> GpuPreset:
         raise ValueError(f"gpu={name!r}: choose one of {', '.join(GPU_PRESETS)}") from None
 
 
-__all__ = ["DEFAULT_GPU", "GPU_PRESETS", "GpuPreset", "cublas_workspace_bytes", "gpu_preset"]
+__all__ = ["DEFAULT_GPU", "GB", "GPU_PRESETS", "GpuPreset", "Rates", "cublas_workspace_bytes", "gpu_preset"]
