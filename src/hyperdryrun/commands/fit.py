@@ -457,17 +457,11 @@ def _gib(n: int | None) -> str:
     return "—" if n is None else f"{n / 2**30:,.2f}"
 
 
-def _seconds(s: float) -> str:
-    if s < 1e-3:
-        return f"{s * 1e6:,.0f} µs"
-    return f"{s * 1e3:,.0f} ms" if s < 1 else f"{s:,.2f} s"
-
-
 def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None = None) -> None:
     """The counts, the table of the layouts that fit (fastest first) and what was used to get them."""
     from rich.console import Console
-    from rich.table import Table
 
+    from hyperdryrun.report.layouts import seconds
     from hyperdryrun.search.fit import verdict_bytes
 
     console = Console()
@@ -505,30 +499,29 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
             soft_wrap=True,
         )
     if ranked and not quiet:
-        t = Table(show_edge=False, pad_edge=False, header_style="bold")
-        cols = ("#", "layout", "mbs x n", "AC", "est. step", "tok/s/GPU", "allocated", "reserved", "device",
-                "headroom", "worst rank", "classes", "method")  # fmt: skip
-        for col in cols:
-            left = col in ("layout", "AC", "method")
-            t.add_column(col, justify="left" if left else "right", no_wrap=col == "layout")
+        from hyperdryrun.report.layouts import LayoutRow, layout_table
+
+        rows = []
         for i, r in enumerate(ranked, 1):
             lay, w = r.candidate.layout, r.worst
-            head = job.capacity_bytes - verdict_bytes(w.figures, r.basis)
             # "confirmed": extrapolated, then run in full for the device figure
             methods = sorted({"confirmed" if c.confirmed else c.figures.method for c in r.simulated_classes})
-            cached = " (cached)" if r.cached else ""
-            t.add_row(
-                str(i), lay.label(), f"{lay.micro_batch_size} x {lay.num_micro_batches}", lay.ac,
-                _seconds(r.time.total), f"{r.time.tokens_per_s_per_gpu:,.0f}", _gib(r.peak("peak_bytes")),
-                _gib(r.peak("peak_reserved_bytes")), _gib(r.peak("peak_device_bytes")),
-                _gib(head) + (" [yellow]at risk[/]" if r.status == "at_risk" else ""),
-                str(w.rank_class.representative), str(len(r.classes)), "+".join(methods) + cached,
+            rows.append(
+                LayoutRow(
+                    i, lay.label(), "at_risk" if r.status == "at_risk" else "fits",
+                    batch=f"{lay.micro_batch_size} x {lay.num_micro_batches}", ac=lay.ac, step_s=r.time.total,
+                    tokens_per_s_per_gpu=r.time.tokens_per_s_per_gpu, allocated=r.peak("peak_bytes"),
+                    reserved=r.peak("peak_reserved_bytes"), device=r.peak("peak_device_bytes"),
+                    headroom=job.capacity_bytes - verdict_bytes(w.figures, r.basis),
+                    worst_rank=w.rank_class.representative, classes=len(r.classes),
+                    method="+".join(methods) + (" (cached)" if r.cached else ""),
+                )
             )  # fmt: skip
-        console.print(t)
+        console.print(layout_table(rows))
     elif ranked:
         r = ranked[0]
         console.print(f"best: {r.candidate.layout.label()} mbs {r.candidate.layout.micro_batch_size} "
-                      f"ac {r.candidate.layout.ac}, est. step {_seconds(r.time.total)}")  # fmt: skip
+                      f"ac {r.candidate.layout.ac}, est. step {seconds(r.time.total)}")  # fmt: skip
     else:
         console.print("[red]no layout fits[/]")
     if ranked and not outcome.fits_with_margin():

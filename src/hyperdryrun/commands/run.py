@@ -61,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
     """Parse, run the rank(s) through :mod:`hyperdryrun.runner`, print; the exit code of
     :mod:`hyperdryrun.commands`."""
 
-    from hyperdryrun.report.console import print_ranks
-    from hyperdryrun.runner import run_rank, run_ranks
+    from hyperdryrun.runner import run_rank
 
     warnings: list[str] = []
     try:
@@ -84,20 +83,11 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(err), err, args.debug)
     print_warnings(warnings)
     if ranks is not None:
-        outcomes = run_ranks(
-            cfg,
-            ranks,
-            args.jobs,
-            capture_stacks=not args.no_stacks,
-            show_progress=False if args.quiet else None,
-        )
-        rows = [(o.rank, o.report if not o.error else None, o.error) for o in outcomes]
-        print_ranks(cfg, rows, [p for o in outcomes for p in o.paths], quiet=args.quiet)
-        if classes is not None:
-            from hyperdryrun.search.classes import write_rank_classes
+        from hyperdryrun.commands.frontdoor import run_many
+        from hyperdryrun.jobs import RecipeJob
 
-            write_rank_classes(cfg, classes, outcomes, quiet=args.quiet)
-        return exit_code_of(outcomes, args.debug)
+        job = RecipeJob(cfg)
+        return run_many(job, cfg, ranks, args, None if classes is None else job.class_dicts(classes))
     return finish_rank(run_rank(cfg, capture_stacks=not args.no_stacks), args)
 
 

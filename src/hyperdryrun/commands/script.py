@@ -13,12 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hyperdryrun.allocator.verdict import AT_RISK, FITS, OOM
 from hyperdryrun.commands import (
-    EXIT_OK,
-    EXIT_VERDICT,
     OneLineParser,
-    exit_code_of,
     fail,
     internal_error,
 )
@@ -286,215 +282,30 @@ def _probe(args: argparse.Namespace, given: dict[str, int | None]) -> dict[str, 
 
 
 def _many(args: argparse.Namespace, given: dict[str, int | None], base: dict[str, Any]) -> int:
+    """``--ranks``/``--all-ranks``/``--fit`` through the one runner of every front door
+    (:mod:`hyperdryrun.commands.frontdoor`)."""
+    from hyperdryrun.commands.frontdoor import fit_layouts, run_many
+    from hyperdryrun.jobs import ScriptJob
+
     probed = _probe(args, given)
     if isinstance(probed, int):
         return probed
     identity = probed["identity"]
     size = identity["world_size"]
+    job = ScriptJob(args.script, tuple(args.script_args), probed)
     if args.fit:
-        return _fit(args, base, identity, probed)
+        root = base.get("output_dir") or config_for(base, identity).output_dir
+
+        def config_at(out: str) -> Any:
+            return config_for({**base, "output_dir": out}, {**identity, "rank": 0})
+
+        title = f"{args.script}: {len(probed['layouts'])} layouts declared, {size} ranks"
+        args.output_dir = root
+        return fit_layouts(job, size, config_at, args, "declared", title)
     cfg = config_for(base, {**identity, "rank": 0})
     try:
         ranks = parse_ranks(args, size)
     except ConfigError as err:
         return fail(str(err), err, args.debug)
     assert ranks is not None
-    classes = probed["classes"][0]
-    if args.all_ranks:
-        ranks = [c["ranks"][0] for c in classes]
-    outcomes = _run(args, cfg, ranks, {})
-    from hyperdryrun.report.console import print_ranks
-
-    rows = [(o.rank, o.report if not o.error else None, o.error) for o in outcomes]
-    title = f"{args.script}: {len(rows)} of {size} ranks"
-    print_ranks(cfg, rows, [p for o in outcomes for p in o.paths], quiet=args.quiet, title=title)
-    if args.all_ranks:
-        write_classes({"script": args.script}, cfg, classes, outcomes, args.quiet)
-    return exit_code_of(outcomes, args.debug)
-
-
-def _run(args: argparse.Namespace, cfg: Any, ranks: list[int], layout: dict[str, Any]) -> list[Any]:
-    from hyperdryrun.integrations.script import ScriptExecute
-    from hyperdryrun.runner import run_ranks
-
-    return run_ranks(
-        cfg,
-        ranks,
-        args.jobs,
-        capture_stacks=not args.no_stacks,
-        execute=ScriptExecute(args.script, layout, tuple(args.script_args)),
-        show_progress=False if args.quiet else None,
-    )
-
-
-def classes_report(
-    job: dict[str, Any], cfg: Any, classes: list[dict[str, Any]], outcomes: list[Any]
-) -> dict[str, Any]:
-    """``rank_classes.json`` of a job that is not the built-in recipe (a script's, a torchtitan job's): the keys of
-    ``run --all-ranks``'s, ``job`` (e.g. ``{"script": spec}``) named for the model. A class is ``{"ranks", "key"}``
-    and optionally ``"what"`` sets it apart (default: its ``rank_class`` key)."""
-    from hyperdryrun.search.classes import rank_ranges
-
-    by_rank = {o.rank: o for o in outcomes}
-    rows = []
-    rank_class = [0] * cfg.world.world_size
-    for i, c in enumerate(classes):
-        o = by_rank.get(c["ranks"][0])
-        s = (o.report or {}).get("summary", {}) if o is not None and not o.error else {}
-        for r in c["ranks"]:
-            rank_class[r] = i
-        rows.append(
-            {
-                "class": i,
-                "representative": c["ranks"][0],
-                "ranks": rank_ranges(c["ranks"]),
-                "num_ranks": len(c["ranks"]),
-                "what": c.get("what")
-                or ("no rank_class declared" if c["key"] is None else f"rank_class {c['key']!r}"),
-                "peak_bytes": s.get("peak_bytes"),
-                "peak_reserved_bytes": s.get("peak_reserved_bytes"),
-                "peak_device_bytes": s.get("peak_device_bytes"),
-                "error": None if o is None else o.error,
-                "report": o.paths[0] if o is not None and o.paths else None,
-            }
-        )
-    return {
-        **job,
-        "world_size": cfg.world.world_size,
-        "classes": rows,
-        "rank_class": rank_class,
-    }
-
-
-def write_classes(
-    job: dict[str, Any], cfg: Any, classes: list[dict[str, Any]], outcomes: list[Any], quiet: bool
-) -> None:
-    """``<output-dir>/rank_classes.json`` of :func:`classes_report` and, unless ``quiet``, the class table."""
-    from rich.console import Console
-
-    from hyperdryrun.report.writer import atomic_write
-    from hyperdryrun.search.classes import print_rank_classes
-
-    report = classes_report(job, cfg, classes, outcomes)
-    path = Path(cfg.output_dir) / "rank_classes.json"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json.dumps(report, indent=1) + "\n")
-    except OSError as err:  # the rank reports failed the same way and set the exit code
-        sys.stderr.write(
-            f"hyperdryrun: error: --output-dir {cfg.output_dir!r}: cannot write rank_classes.json: {err}\n"
-        )
-        return
-    if not quiet:
-        print_rank_classes(report)
-        Console().print(f"[dim]wrote {path}[/]", soft_wrap=True)
-
-
-# ------------------------------------------------------------------------------------------------- --fit
-def _fit(
-    args: argparse.Namespace, base: dict[str, Any], identity: dict[str, Any], probed: dict[str, Any]
-) -> int:
-    """Every declared layout, each rank class once, into ``<output-dir>/layout_<i>/``; a table in the declared
-    order; the first layout that fits is the choice (exit 0), none fits: exit 1."""
-    root = Path(base.get("output_dir") or config_for(base, identity).output_dir)
-
-    def run_layout(i: int, layout: dict[str, Any], classes: list[dict[str, Any]]) -> list[Any]:
-        cfg = config_for({**base, "output_dir": str(root / f"layout_{i}")}, {**identity, "rank": 0})
-        return _run(args, cfg, [c["ranks"][0] for c in classes], layout)
-
-    title = f"{args.script}: {len(probed['layouts'])} layouts declared, {identity['world_size']} ranks"
-    return fit_layouts(title, probed["layouts"], probed["classes"], run_layout, args.quiet, args.debug)
-
-
-def fit_layouts(
-    title: str,
-    layouts: list[dict[str, Any]],
-    classes: list[list[dict[str, Any]] | str],
-    run_layout: Any,
-    quiet: bool,
-    debug: bool,
-    order: str = "declared",
-) -> int:
-    """Dry-run each layout's rank classes (``run_layout(i, layout, classes) -> [RankOutcome]``, one per class),
-    print a table in the given (``order``: "declared") order and choose the first layout whose every class fits: exit 0, none fits: 1, a
-    failed rank: its exit code. A layout whose ``classes`` is a string cannot run (the string says why): its row
-    says so and it is not chosen."""
-    from rich.console import Console
-    from rich.table import Table
-
-    rows = []
-    failed: list[Any] = []
-    for i, (layout, layout_classes) in enumerate(zip(layouts, classes, strict=True)):
-        if isinstance(layout_classes, str):
-            rows.append((i, layout, [], None, layout_classes, False))
-            continue
-        outcomes = run_layout(i, layout, layout_classes)
-        errors = [o for o in outcomes if o.error]
-        failed += errors
-        ok = [o.report["summary"] for o in outcomes if not o.error]
-        worst_o = min(
-            (o for o in outcomes if not o.error),
-            key=lambda o: o.report["summary"]["headroom_bytes"],
-            default=None,
-        )
-        # "fits" only where no class is OOM or at risk (within the model's error of the capacity): an at-risk
-        # layout fails run's verdict (exit 1), so it is shown as such and not chosen
-        word = OOM if any(s["oom"] for s in ok) else (AT_RISK if any(s.get("at_risk") for s in ok) else FITS)
-        rows.append((i, layout, layout_classes, worst_o, errors, word if not errors else None))
-    chosen = next((r[0] for r in rows if r[5] == FITS), None)
-    console = Console() if Console().is_terminal else Console(width=130)
-    t = Table(title=title, title_justify="left", title_style="bold", show_edge=False, pad_edge=False)
-    for col in (
-        "#",
-        "layout",
-        "classes",
-        "worst rank",
-        "allocated",
-        "reserved",
-        "device",
-        "headroom",
-        "verdict",
-    ):
-        t.add_column(col, justify="left" if col in ("layout", "verdict") else "right")
-    gib = "{:,.2f}".format
-    for i, layout, layout_classes, worst, errors, fits in rows:
-        name = " ".join(f"{k}={v}" for k, v in layout.items()) or "(empty)"
-        if isinstance(errors, str):
-            t.add_row(str(i), name, "", "", "", "", "", "", f"[yellow]invalid[/]: {errors}")
-            continue
-        if worst is None:
-            t.add_row(
-                str(i),
-                name,
-                str(len(layout_classes)),
-                "",
-                "",
-                "",
-                "",
-                "",
-                f"[red]error[/]: {errors[0].error}",
-            )
-            continue
-        s = worst.report["summary"]
-        device = s.get("peak_device_bytes")
-        verdict = (
-            "[red]error[/]"
-            if errors
-            else {FITS: "[green]fits[/]", AT_RISK: "[yellow]at risk[/]"}.get(fits, "[red]OOM[/]")
-        )
-        if i == chosen:
-            verdict += " (chosen)"
-        t.add_row(str(i), name, str(len(layout_classes)), str(worst.rank), gib(s["peak_allocated_bytes"] / 2**30)
-                  if s.get("peak_allocated_bytes") is not None else gib(s["peak_bytes"] / 2**30),
-                  "" if s.get("peak_reserved_bytes") is None else gib(s["peak_reserved_bytes"] / 2**30),
-                  "" if device is None else gib(device / 2**30), gib(s["headroom_bytes"] / 2**30), verdict)  # fmt: skip
-    if not quiet:
-        console.print(t)
-    if chosen is not None:
-        name = " ".join(f"{k}={v}" for k, v in rows[chosen][1].items())
-        console.print(f"chosen: layout {chosen} ({name}), the first {order} that fits")
-    else:
-        console.print(f"no {order} layout fits")
-    if failed:  # a failure wins over a verdict, as in run
-        return exit_code_of(failed, debug)
-    return EXIT_OK if chosen is not None else EXIT_VERDICT
+    return run_many(job, cfg, ranks, args, job.rank_classes(size, {}) if args.all_ranks else None)

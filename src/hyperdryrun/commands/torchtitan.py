@@ -7,10 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
-from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, exit_code_of, fail, one_line
+from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, fail, one_line
 from hyperdryrun.commands.fit import _ints
 from hyperdryrun.commands.job import TARGET_FLAGS, add_flags, flag_data, target_from_args
 from hyperdryrun.commands.measure import CPU_ONLY_NOTE
@@ -300,16 +299,17 @@ def _check_many(args: argparse.Namespace, target: Any) -> None:
 
 
 def _many(args: argparse.Namespace, identity: dict[str, int | None]) -> int:
-    """``--ranks``/``--all-ranks``: the ranks in worker processes through the runner, one per rank class with
-    ``--all-ranks``; ``--fit``: each layout's rank classes. The same tables and exit codes as ``script``'s."""
+    """``--ranks``/``--all-ranks``/``--fit`` through the one runner of every front door
+    (:mod:`hyperdryrun.commands.frontdoor`): the same tables, classes file and exit codes as ``script``'s."""
+    from hyperdryrun.commands.frontdoor import fit_layouts, run_many
     from hyperdryrun.commands.run import parse_ranks
-    from hyperdryrun.commands.script import write_classes
-    from hyperdryrun.integrations.torchtitan import TorchtitanError, infer_world_size, rank_classes
-    from hyperdryrun.report.console import print_ranks
+    from hyperdryrun.integrations.torchtitan import TorchtitanError, infer_world_size
+    from hyperdryrun.jobs import TorchtitanFrontJob
 
-    argv = list(args.torchtitan_args)
+    space = SearchSpace(tp=args.fit_tp, pp=args.fit_pp, cp=args.fit_cp, ep=args.fit_ep)
+    job = TorchtitanFrontJob(tuple(args.torchtitan_args), args.n_layers, args.attention, args.measure, space)
     try:
-        size = identity["world_size"] or infer_world_size(argv)
+        size = identity["world_size"] or infer_world_size(job.argv)
         if size is None:
             raise ConfigError(
                 "--world-size: torchtitan's parallelism degrees leave the world size open "
@@ -317,21 +317,13 @@ def _many(args: argparse.Namespace, identity: dict[str, int | None]) -> int:
             )
         cfg = _config(args, identity, size, args.output_dir)
         if args.fit:
-            return _fit(args, identity, size)
+            return fit_layouts(job, size, lambda out: _config(args, identity, size, out), args, "searched")
         ranks = parse_ranks(args, size)
         assert ranks is not None
-        classes = rank_classes(argv, size, args.n_layers) if args.all_ranks else []
+        classes = job.rank_classes(size, {}) if args.all_ranks else None
     except (ConfigError, TorchtitanError) as err:
         return fail(one_line(str(err)), err, args.debug)
-    if args.all_ranks:
-        ranks = [c["ranks"][0] for c in classes]
-    outcomes = _run(args, cfg, ranks, argv)
-    rows = [(o.rank, o.report if not o.error else None, o.error) for o in outcomes]
-    title = f"torchtitan {' '.join(argv)}: {len(rows)} of {size} ranks"
-    print_ranks(cfg, rows, [p for o in outcomes for p in o.paths], quiet=args.quiet, title=title)
-    if args.all_ranks:
-        write_classes({"torchtitan": {"argv": argv}}, cfg, classes, outcomes, args.quiet)
-    return exit_code_of(outcomes, args.debug)
+    return run_many(job, cfg, ranks, args, classes, mode="measured" if args.measure else "dry-run")
 
 
 def _config(
@@ -343,99 +335,3 @@ def _config(
     if identity["local_rank"] is not None:
         world["local_rank"] = identity["local_rank"]
     return build_config({**flag_data(args, TARGET_FLAGS), "world": world, "output_dir": output_dir})
-
-
-def _run(args: argparse.Namespace, cfg: JobConfig, ranks: list[int], argv: list[str]) -> list[Any]:
-    from hyperdryrun.runner import run_ranks
-
-    execute = TorchtitanExecute(tuple(argv), args.n_layers, args.attention, args.measure)
-    return run_ranks(
-        cfg,
-        ranks,
-        args.jobs,
-        capture_stacks=not args.no_stacks,
-        execute=execute,
-        mode="measured" if args.measure else "dry-run",
-        show_progress=False if args.quiet else None,
-    )
-
-
-def _fit(args: argparse.Namespace, identity: dict[str, int | None], size: int) -> int:
-    """Every layout of the --fit-* degrees that fills the world (:func:`hyperdryrun.search.space.layouts`), each
-    checked by torchtitan's own config handling (an invalid one is a row saying why), its rank classes dry-run."""
-    from pathlib import Path
-
-    from hyperdryrun.commands.script import fit_layouts
-    from hyperdryrun.integrations.torchtitan import TorchtitanError, load_config, rank_classes, with_layout
-    from hyperdryrun.search.space import layouts
-
-    argv = list(args.torchtitan_args)
-    replicate = max(1, load_config(argv).parallelism.data_parallel_replicate_degree)
-    space = SearchSpace(
-        tp=args.fit_tp, pp=args.fit_pp, cp=args.fit_cp, ep=args.fit_ep, dp_replicate=(replicate,),
-        micro_batch_sizes=(1,), ac=("none",), max_micro_batches=size,
-    )  # fmt: skip
-    chosen: list[dict[str, int]] = []
-    for layout, _ in layouts(space, size, size, is_moe=True):
-        degrees = {k: getattr(layout, k) for k in ("dp_shard", "tp", "pp", "cp", "ep")}
-        if degrees not in chosen:
-            chosen.append(degrees)
-    classes: list[list[dict[str, Any]] | str] = []
-    for degrees in chosen:
-        try:
-            classes.append(rank_classes(with_layout(argv, degrees), size, args.n_layers))
-        except TorchtitanError as err:
-            classes.append(one_line(str(err)))
-    root = Path(args.output_dir)
-
-    def run_layout(i: int, degrees: dict[str, int], layout_classes: list[dict[str, Any]]) -> list[Any]:
-        cfg = _config(args, identity, size, str(root / f"layout_{i}"))
-        return _run(args, cfg, [c["ranks"][0] for c in layout_classes], with_layout(argv, degrees))
-
-    title = f"torchtitan {' '.join(argv)}: {len(chosen)} layouts of {size} ranks"
-    return fit_layouts(title, chosen, classes, run_layout, args.quiet, args.debug, order="searched")
-
-
-@dataclass(frozen=True)
-class TorchtitanExecute:
-    """How the runner runs a rank of a torchtitan job: ``execute(cfg, capture_stacks=...) -> StepTrace`` (module
-    level and picklable, so a worker process runs it). ``cfg`` carries the rank, the target device and the
-    capacity; torchtitan's command line and the command's own job options travel here."""
-
-    argv: tuple[str, ...]
-    n_layers: int | None = None
-    attention: str | None = None
-    measure: bool = False
-
-    def __call__(self, cfg: Any, capture_stacks: bool = True) -> Any:
-        from hyperdryrun.engine import SimulationError
-        from hyperdryrun.integrations.torchtitan import JobArgs, TorchtitanError, simulate_torchtitan
-
-        world = cfg.world
-        job = JobArgs(
-            world_size=world.world_size,
-            rank=world.rank,
-            local_rank=world.local_rank,
-            n_layers=self.n_layers,
-            attention=self.attention,
-            cuda=cfg.cuda,
-        )
-        try:
-            if self.measure:
-                from hyperdryrun.measure.torchtitan import measure_torchtitan
-
-                return measure_torchtitan(self.argv, capture_stacks=capture_stacks, **job)
-            return simulate_torchtitan(
-                self.argv, capture_stacks=capture_stacks, target_device=cfg.target_device, **job
-            )
-        except TorchtitanError as err:  # bad input: the runner reports it as such, in one line
-            raise SimulationError("config", err) from err
-
-    def job_metadata(self, cfg: Any) -> dict[str, Any]:
-        """What a report (an error report too) says about the job: torchtitan's command line."""
-        return {
-            "mode": "measured" if self.measure else "dry-run",
-            "rank": cfg.world.rank,
-            "world_size": cfg.world.world_size,
-            "torchtitan": {"argv": list(self.argv)},
-        }

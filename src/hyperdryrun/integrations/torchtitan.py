@@ -1018,6 +1018,24 @@ def infer_world_size(argv: Sequence[str]) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------- many ranks
+def _step_figures(job: TorchtitanJob, model: nn.Module) -> dict[str, Any]:
+    """What the roofline needs of a prepared job: FLOPs per token, the job's tokens per step, the pipeline degree
+    and micro batches (its bubble counted as for one stage per rank: the stages a schedule gives each rank are
+    known only once torchtitan's pipelining function has run), and the batch and AC a fit table shows."""
+    t, p = job.config.training, job.metadata["parallel"]
+    _, flops = job.config.model_spec.model.get_nparams_and_flops(model, t.seq_len)
+    pipeline = job.metadata.get("pipeline") or {}
+    return {
+        "flops_per_token": float(flops),
+        "tokens_per_step": job.metadata["tokens_per_step"] * p["dp_replicate"] * p["dp_shard"],
+        "pp": p["pp"],
+        "micro_batches": pipeline.get("num_micro_batches", 1),
+        "micro_batch_size": job.metadata["micro_batch_size"],
+        "num_micro_batches": job.gradient_accumulation_steps * job.pp_microbatches,
+        "ac": job.metadata["activation_checkpointing"]["mode"],
+    }
+
+
 LAYOUT_FLAGS = {
     "dp_replicate": "--parallelism.data_parallel_replicate_degree",
     "dp_shard": "--parallelism.data_parallel_shard_degree",
@@ -1034,7 +1052,9 @@ def with_layout(argv: Sequence[str], layout: dict[str, int]) -> list[str]:
     return [*argv, *(x for name, degree in layout.items() for x in (LAYOUT_FLAGS[name], str(degree)))]
 
 
-def rank_classes(argv: Sequence[str], world_size: int, n_layers: int | None = None) -> list[dict[str, Any]]:
+def rank_classes(
+    argv: Sequence[str], world_size: int, n_layers: int | None = None, step: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """The rank classes of a torchtitan job over ``world_size`` ranks, ``[{"ranks", "key", "what"}]`` in order of
     their lowest rank: ranks that run the same step (the rules of :mod:`hyperdryrun.search.classes`) share a class.
 
@@ -1043,13 +1063,18 @@ def rank_classes(argv: Sequence[str], world_size: int, n_layers: int | None = No
     context-parallel position always set ranks apart; the data-parallel replica never does; ``dp_shard`` and ``tp``
     positions only where a parameter of the model (built on meta) splits unevenly over TP and FSDP (``torch.chunk``
     leaves the last ranks smaller shards), or with EP (its token routing and expert shards, kept apart whole).
-    Bad input raises :class:`TorchtitanError`."""
+    ``step``, when given, is filled with what a step-time estimate needs: torchtitan's training FLOPs per token
+    (``get_nparams_and_flops``), the whole job's tokens per step, the pipeline degree, micro batches and stages
+    per rank. Bad input raises :class:`TorchtitanError`."""
     from hyperdryrun.parallel.dims import ParallelDims
 
     with torchtitan_job(argv, world_size=world_size, n_layers=n_layers) as job:
         degrees = job.metadata["parallel"]
         with torch.device("meta"):
-            shapes = [tuple(p.shape) for p in job.build_model().parameters()]
+            model = job.build_model()
+            shapes = [tuple(p.shape) for p in model.parameters()]
+        if step is not None:
+            step.update(_step_figures(job, model))
     tp, fsdp = degrees["tp"], degrees["dp_shard"] * degrees["cp"]
     # TP splits one dim of a parameter, FSDP2 dim 0 of the TP-local tensor: even when every dim divides by tp and
     # dim 0 by tp * fsdp (n % (tp * f) == 0 makes both n and n / tp divide by f)

@@ -331,21 +331,28 @@ def rank_ranges(ranks: tuple[int, ...] | list[int]) -> str:
     return ",".join(out)
 
 
-def classes_report(cfg: JobConfig, classes: list[RankClass], outcomes: list[Any]) -> dict[str, Any]:
-    """Every rank mapped to its class and the peak of the class's representative (``outcomes``: the
-    :class:`~hyperdryrun.runner.RankOutcome` of each representative)."""
+def classes_report(
+    job: dict[str, Any], world_size: int, classes: list[dict[str, Any]], outcomes: list[Any]
+) -> dict[str, Any]:
+    """``rank_classes.json`` of any front door's job: every rank mapped to its class and the peak of the class's
+    representative (its lowest rank; ``outcomes``: the :class:`~hyperdryrun.runner.RankOutcome` of each
+    representative). ``job`` says what the job is (``{"model", "world_size", "parallel"}`` for the built-in recipe,
+    ``{"script": spec}``, ``{"torchtitan": {"argv"}}``), its keys first; a class is ``{"ranks", "what"}``."""
     by_rank = {o.rank: o for o in outcomes}
     rows = []
-    for c in classes:
-        o = by_rank.get(c.representative)
+    rank_class = [0] * world_size
+    for i, c in enumerate(classes):
+        o = by_rank.get(c["ranks"][0])
         summary = (o.report or {}).get("summary", {}) if o is not None and not o.error else {}
+        for r in c["ranks"]:
+            rank_class[r] = i
         rows.append(
             {
-                "class": c.index,
-                "representative": c.representative,
-                "ranks": rank_ranges(c.ranks),
-                "num_ranks": len(c.ranks),
-                "what": c.describe(),
+                "class": i,
+                "representative": c["ranks"][0],
+                "ranks": rank_ranges(c["ranks"]),
+                "num_ranks": len(c["ranks"]),
+                "what": c["what"],
                 "peak_bytes": summary.get("peak_bytes"),
                 "peak_reserved_bytes": summary.get("peak_reserved_bytes"),
                 "peak_device_bytes": summary.get("peak_device_bytes"),
@@ -353,13 +360,7 @@ def classes_report(cfg: JobConfig, classes: list[RankClass], outcomes: list[Any]
                 "report": o.paths[0] if o is not None and o.paths else None,
             }
         )
-    return {
-        "model": cfg.model.name,
-        "world_size": cfg.world.world_size,
-        "parallel": cfg.dims.degrees(),
-        "classes": rows,
-        "rank_class": [class_of(classes)[r].index for r in range(cfg.world.world_size)],
-    }
+    return {**job, "world_size": world_size, "classes": rows, "rank_class": rank_class}
 
 
 def print_rank_classes(report: dict[str, Any]) -> None:
@@ -391,17 +392,17 @@ def print_rank_classes(report: dict[str, Any]) -> None:
 
 
 def write_rank_classes(
-    cfg: JobConfig, classes: list[RankClass], outcomes: list[Any], quiet: bool = False
+    job: dict[str, Any], classes: list[dict[str, Any]], cfg: Any, outcomes: list[Any], quiet: bool = False
 ) -> str | None:
-    """``<output_dir>/rank_classes.json`` (written atomically) and, unless ``quiet``, the class table; returns the
-    path."""
+    """``<output_dir>/rank_classes.json`` of :func:`classes_report` (written atomically) and, unless ``quiet``, the
+    class table; returns the path. The one writer of every front door's ``--all-ranks``."""
     import json
     import sys
     from pathlib import Path
 
     from hyperdryrun.report.writer import atomic_write
 
-    report = classes_report(cfg, classes, outcomes)
+    report = classes_report(job, cfg.world.world_size, classes, outcomes)
     path = Path(cfg.output_dir) / "rank_classes.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

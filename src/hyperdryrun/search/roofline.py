@@ -159,3 +159,21 @@ def step_time(cfg: JobConfig, rates: Rates, param_elements: int | None = None) -
     return StepTime(
         total, compute, bubble, tp_time, cp_time, ep_time, pp_time, fsdp_time, optimizer, tokens, world
     )
+
+
+def flops_step_time(
+    flops_per_token: float,
+    tokens_per_step: int,
+    world: int,
+    rates: Rates,
+    pp: int = 1,
+    micro_batches: int = 1,
+    stages_per_rank: int = 1,
+) -> StepTime:
+    """The estimate for a job that gives only its training FLOPs per token (a torchtitan model's
+    ``get_nparams_and_flops``): the compute of ``tokens_per_step`` (the whole job's) split over ``world`` ranks
+    at the peak rate, plus the pipeline bubble as :func:`step_time` counts it; no collectives or optimizer time (the
+    job's communication is not known), so it ranks layouts by compute alone."""
+    compute = flops_per_token * tokens_per_step / world / rates.peak_flops
+    bubble = compute * (pp - 1) / (micro_batches * stages_per_rank) if pp > 1 else 0.0
+    return StepTime(compute + bubble, compute, bubble, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, tokens_per_step, world)
