@@ -125,7 +125,7 @@ def fit_layouts(
     chosen = next((r for r in rows if r.verdict == "fits"), None)
     if chosen is not None:
         chosen.chosen = True
-    console = Console() if Console().is_terminal else Console(width=160)
+    console = Console() if Console().is_terminal else Console(width=200)
     if not args.quiet:
         heading = title or f"{job.title}: {len(layouts)} layouts of {world_size} ranks"
         console.print(f"[bold]{heading}[/] · {world_size} x {target.label()}", soft_wrap=True)
