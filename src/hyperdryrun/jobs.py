@@ -156,7 +156,7 @@ class ScriptJob:
 @dataclass
 class TorchtitanFrontJob:
     """A torchtitan job as it is (its own command line): its classes follow torchtitan's mesh
-    (:func:`hyperdryrun.integrations.torchtitan.rank_classes`), its layouts are torchtitan's parallelism degrees
+    (:func:`hyperdryrun.integrations.torchtitan_ranks.rank_classes`), its layouts are torchtitan's parallelism degrees
     over the ``--fit-*`` space, its FLOPs per token torchtitan's own ``get_nparams_and_flops``."""
 
     argv: tuple[str, ...]
@@ -175,7 +175,7 @@ class TorchtitanFrontJob:
         return {"torchtitan": {"argv": list(self.argv)}}
 
     def argv_of(self, layout: dict[str, Any]) -> list[str]:
-        from hyperdryrun.integrations.torchtitan import with_layout
+        from hyperdryrun.integrations.torchtitan_ranks import with_layout
 
         return with_layout(self.argv, layout)
 
@@ -184,7 +184,7 @@ class TorchtitanFrontJob:
 
     def rank_classes(self, world_size: int, layout: dict[str, Any]) -> list[dict[str, Any]]:
         """Raises :class:`~hyperdryrun.integrations.torchtitan.TorchtitanError` for a layout torchtitan rejects."""
-        from hyperdryrun.integrations.torchtitan import rank_classes
+        from hyperdryrun.integrations.torchtitan_ranks import rank_classes
 
         step: dict[str, Any] = {}
         classes = rank_classes(self.argv_of(layout), world_size, self.n_layers, step)

@@ -22,7 +22,8 @@ pytest.importorskip(
     "torchtitan", reason="torchtitan is not installed (pip install 'hyperdryrun[torchtitan]')"
 )
 
-from hyperdryrun.integrations.torchtitan import measured_routing, simulate_torchtitan  # noqa: E402
+from hyperdryrun.integrations.torchtitan import simulate_torchtitan  # noqa: E402
+from hyperdryrun.integrations.torchtitan_ranks import measured_routing  # noqa: E402
 from hyperdryrun.measure.torchtitan import measure_torchtitan  # noqa: E402
 from tests.integrations.test_torchtitan_moe import assert_measured_step  # noqa: E402
 

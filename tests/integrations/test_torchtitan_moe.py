@@ -34,9 +34,9 @@ pytest.importorskip(
 from hyperdryrun.integrations.torchtitan import (  # noqa: E402
     TorchtitanError,
     load_config,
-    measured_routing,
     simulate_torchtitan,
 )
+from hyperdryrun.integrations.torchtitan_ranks import measured_routing  # noqa: E402
 from hyperdryrun.measure.torchtitan import measure_torchtitan  # noqa: E402
 from hyperdryrun.trace.blocks import STEP_PHASES, Category  # noqa: E402
 from hyperdryrun.trace.tracker import RESIZE_OP  # noqa: E402

@@ -19,7 +19,8 @@ pytest.importorskip(
     "torchtitan", reason="torchtitan is not installed (pip install 'hyperdryrun[torchtitan]')"
 )
 
-from hyperdryrun.integrations.torchtitan import rank_classes, simulate_torchtitan  # noqa: E402
+from hyperdryrun.integrations.torchtitan import simulate_torchtitan  # noqa: E402
+from hyperdryrun.integrations.torchtitan_ranks import rank_classes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.seq_len", "256"]

@@ -143,12 +143,8 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
     """One rank of a torchtitan job: simulate, write its reports (or its error report); returns ``report``,
     ``paths`` and a one-line ``error`` (None when it ran). Module level, so that a spawned child can run it."""
     from hyperdryrun.engine import SimulationError
-    from hyperdryrun.integrations.torchtitan import (
-        TorchtitanError,
-        infer_world_size,
-        routing_from_report,
-        simulate_torchtitan,
-    )
+    from hyperdryrun.integrations.torchtitan import TorchtitanError, simulate_torchtitan
+    from hyperdryrun.integrations.torchtitan_ranks import infer_world_size, routing_from_report
     from hyperdryrun.measure.step import MeasureError
     from hyperdryrun.measure.torchtitan import measure_torchtitan
     from hyperdryrun.report import blocks_csv, build_report, error_report, write_error_report, write_reports
@@ -303,7 +299,7 @@ def _many(args: argparse.Namespace, identity: dict[str, int | None]) -> int:
     (:mod:`hyperdryrun.commands.frontdoor`): the same tables, classes file and exit codes as ``script``'s."""
     from hyperdryrun.commands.frontdoor import fit_layouts, run_many
     from hyperdryrun.commands.run import parse_ranks
-    from hyperdryrun.integrations.torchtitan import TorchtitanError, infer_world_size
+    from hyperdryrun.integrations.torchtitan_ranks import TorchtitanError, infer_world_size
     from hyperdryrun.jobs import TorchtitanFrontJob
 
     space = SearchSpace(tp=args.fit_tp, pp=args.fit_pp, cp=args.fit_cp, ep=args.fit_ep)
