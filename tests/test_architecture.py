@@ -537,3 +537,104 @@ def test_the_version_scan_finds_each_kind(tmp_path):
     hits = version_dependent_code(path, "pkg")
     assert [int(h.split(":")[0]) for h in hits] == [8, 9, 11, 13, 14, 15, 16, 17, 18, 19]
     assert "Patch of F" in hits[0] and "version comparison" in hits[-1]
+
+
+# ---------------------------------------------------------------- edits of other libraries' state: compat/ only
+
+STATE_LIBRARIES = ("torch", "torchtitan", "transformers", "rich", "sys")
+"""The libraries whose process-wide state (module attributes, configs, class methods, registries, loggers) only
+compat/ edits, each edit a reversible Patch naming the behaviour."""
+MUTATORS = {"setLevel", "set_spmd_backend", "clear", "update", "pop", "popitem", "setdefault", "__setitem__"}
+"""Calls that change a library object in place (a logger's level, torchtitan's SPMD backend, a registry dict)."""
+IMPORT_SYSTEM = {"sys.modules", "sys.path"}
+"""Registries of Python's import system, which loading a script's file edits as importlib documents it."""
+
+
+def _state_library(full: str | None) -> bool:
+    return full is not None and full.split(".")[0] in STATE_LIBRARIES and full not in IMPORT_SYSTEM
+
+
+def library_state_edits(path: Path) -> list[str]:
+    """``line: what`` for each direct edit in ``path`` of an object of :data:`STATE_LIBRARIES` reached through an
+    import (``import torch._dynamo.config``, ``from rich.console import Console``, ``import sys``): an attribute or
+    item assigned or deleted (``sys.excepthook = ...``, ``Console.on_broken_pipe = ...``), ``setattr``/``delattr``
+    on it, or a call of one of :data:`MUTATORS` on it (``logger.setLevel``, ``store.clear()``). An object kept in a
+    local variable first is not traced."""
+    tree = ast.parse(path.read_text(), str(path))
+    names = _bindings(tree)
+    found: list[str] = []
+
+    def targets(node: ast.AST) -> list[ast.AST]:
+        if isinstance(node, ast.Assign | ast.Delete):
+            out = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            out = [node.target]
+        else:
+            return []
+        flat: list[ast.AST] = []
+        while out:
+            t = out.pop()
+            if isinstance(t, ast.Tuple | ast.List):
+                out.extend(t.elts)
+            else:
+                flat.append(t)
+        return flat
+
+    for node in ast.walk(tree):
+        for t in targets(node):
+            if isinstance(t, ast.Attribute | ast.Subscript) and _state_library(_resolve_name(t.value, names)):
+                found.append(f"{node.lineno}: edit of {ast.unparse(t)}")
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args:
+                if _state_library(_resolve_name(node.args[0], names)):
+                    found.append(f"{node.lineno}: {func.id} on {ast.unparse(node.args[0])}")
+            elif isinstance(func, ast.Attribute) and func.attr in MUTATORS:
+                if _state_library(_resolve_name(func.value, names)):
+                    found.append(f"{node.lineno}: {ast.unparse(func)}()")
+    return sorted(set(found), key=lambda s: (int(s.split(":")[0]), s))
+
+
+def test_edits_of_other_libraries_state_are_in_compat():
+    """torch's, torchtitan's, transformers', rich's and Python's own process state (sys) is edited only in
+    hyperdryrun/compat/, as reversible Patch entries naming the behaviour (patches.py applies them)."""
+    found = {
+        name: hits
+        for name, path in module_files(SRC, PACKAGE).items()
+        if not name.startswith(f"{PACKAGE}.compat") and name != f"{PACKAGE}.patches"
+        for hits in [library_state_edits(path)]
+        if hits
+    }
+    assert found == {}
+
+
+def test_the_state_edit_scan_finds_each_kind(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import sys\n"
+        "import torch._dynamo.config\n"
+        "import torch.distributed._symmetric_memory as symm_mem\n"
+        "import torchtitan.distributed.utils as titan_dist\n"
+        "from rich.console import Console\n"
+        "from torchtitan.tools.logging import logger\n"
+        "sys.excepthook = None\n"  # 7: sys
+        "Console.on_broken_pipe = None\n"  # 8: rich
+        "setattr(torch._dynamo.config, 'x', 1)\n"  # 9: a dynamo config setattr
+        "torch._dynamo.config.x += 1\n"  # 10
+        "symm_mem._group_name_to_store.clear()\n"  # 11: torch's symmetric-memory store
+        "titan_dist.set_spmd_backend('x')\n"  # 12: torchtitan's SPMD backend
+        "logger.setLevel(10)\n"  # 13: torchtitan's logger
+        "sys.argv[0] = 'x'\n"  # 14: an item of sys
+        "del Console.x\n"  # 15
+        "class A:\n"
+        "    pass\n"
+        "a = A()\n"
+        "a.x = 1\n"  # 19: an object of the file's own: allowed
+        "config = {}\n"
+        "config.update(x=1)\n"  # 21: a local dict: allowed
+        "torch.set_default_dtype(torch.float32)\n"  # 22: torch's setter API: allowed
+        "sys.modules['m'] = None\n"  # 23: the import system's registry (importlib's way to load a file): allowed
+    )
+    hits = library_state_edits(path)
+    assert [int(h.split(":")[0]) for h in hits] == [7, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert "setattr on torch._dynamo.config" in hits[2] and "set_spmd_backend" in hits[5]

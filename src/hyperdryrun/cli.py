@@ -79,17 +79,15 @@ def broken_pipe_raises() -> Iterator[None]:
     ``SystemExit(1)``, the exit code of a failed verdict. The method comes back on exit."""
     from rich.console import Console
 
-    previous = Console.on_broken_pipe
+    from hyperdryrun.compat.process import broken_pipe_patch
+    from hyperdryrun.patches import PatchSet
 
     def on_broken_pipe(self: Console) -> None:
         self.quiet = True  # nothing more from this console
         raise BrokenPipeError(errno.EPIPE, "stdout was closed by its reader")
 
-    Console.on_broken_pipe = on_broken_pipe  # type: ignore[method-assign]
-    try:
+    with PatchSet([broken_pipe_patch(on_broken_pipe)]):
         yield
-    finally:
-        Console.on_broken_pipe = previous  # type: ignore[method-assign]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

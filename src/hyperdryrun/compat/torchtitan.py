@@ -6,9 +6,11 @@ release the ``hyperdryrun[torchtitan]`` extra pins; its file named in each entry
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +30,57 @@ def torchtitan_version() -> str | None:
         return metadata.version("torchtitan")
     except metadata.PackageNotFoundError:
         return None
+
+
+@contextlib.contextmanager
+def quiet_logger() -> Iterator[None]:
+    """torchtitan's logger at ERROR inside (it logs to the root logger, lines that speak of a real run), its level
+    put back on exit."""
+    from torchtitan.tools.logging import logger as titan_logger
+
+    level = titan_logger.level
+    titan_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        titan_logger.setLevel(level)
+
+
+def set_spmd_backend(name: str) -> None:
+    """torchtitan's SPMD backend for the job being built, as its Trainer sets it (a process global:
+    :func:`restored_globals` puts the previous one back)."""
+    from torchtitan.distributed import utils as dist_utils
+
+    dist_utils.set_spmd_backend(name)
+
+
+@contextlib.contextmanager
+def restored_globals() -> Iterator[None]:
+    """torchtitan sets process globals while it builds a job (the SPMD backend, dynamo and Inductor configs in
+    apply_compile, the symmetric-memory store of async TP), and logs to the root logger (quiet inside): all
+    restored on exit."""
+    import torch._dynamo.config
+    import torch._functorch.config
+    import torch._inductor.config
+    import torch.distributed._symmetric_memory as symm_mem
+    import torchtitan.distributed.utils as titan_dist
+
+    configs = [torch._dynamo.config, torch._functorch.config, torch._inductor.config]
+    saved = [c.get_config_copy() for c in configs]
+    symm_stores = dict(symm_mem._group_name_to_store)  # async TP enables symmetric memory for the tp group
+    backend = titan_dist.get_spmd_backend()
+    try:
+        with quiet_logger():  # its INFO/WARNING lines speak of a real run ("HF assets path ...")
+            yield
+    finally:
+        titan_dist.set_spmd_backend(backend)
+        symm_mem._group_name_to_store.clear()
+        symm_mem._group_name_to_store.update(symm_stores)
+        for config, values in zip(configs, saved):
+            now = config.get_config_copy()
+            for key, value in values.items():
+                if now.get(key) is not value and now.get(key) != value:
+                    setattr(config, key, value)
 
 
 def untested(version: str) -> str | None:

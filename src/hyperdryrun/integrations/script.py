@@ -281,13 +281,12 @@ def torchrun_environment(world_size: int, rank: int, local_rank: int) -> Iterato
 def script_argv(spec: str, argv: tuple[str, ...] | list[str] = ()) -> Iterator[None]:
     """``sys.argv`` as ``python FILE ARGS`` would give the script (its own arguments, after ``--`` on the command
     line), so that code parsing it at import or in the job function sees its own; restored on exit."""
+    from hyperdryrun.compat.process import argv_patch
+    from hyperdryrun.patches import PatchSet
+
     path, module, _ = _split(spec)
-    saved = sys.argv
-    sys.argv = [path if path is not None else str(module), *argv]
-    try:
+    with PatchSet([argv_patch([path if path is not None else str(module), *argv])]):
         yield
-    finally:
-        sys.argv = saved
 
 
 # ------------------------------------------------------------------------------------------------- the job

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, Required, TypedDict, Unpack
 
@@ -71,37 +70,6 @@ def _routing_patches() -> list[Patch]:
         return lambda tokens, experts, top_k: rules.token_counts(_current_module(), tokens, experts, top_k)
 
     return titan_compat.routing_patches(token_counts)
-
-
-@contextlib.contextmanager
-def _restored_torchtitan_globals() -> Iterator[None]:
-    """torchtitan sets process globals while it builds a job (the SPMD backend, dynamo and Inductor configs in
-    apply_compile), and logs to the root logger: all restored on exit."""
-    import torch._dynamo.config
-    import torch._functorch.config
-    import torch._inductor.config
-    import torch.distributed._symmetric_memory as symm_mem
-    import torchtitan.distributed.utils as titan_dist
-    from torchtitan.tools.logging import logger as titan_logger
-
-    configs = [torch._dynamo.config, torch._functorch.config, torch._inductor.config]
-    saved = [c.get_config_copy() for c in configs]
-    symm_stores = dict(symm_mem._group_name_to_store)  # async TP enables symmetric memory for the tp group
-    backend = titan_dist.get_spmd_backend()
-    level = titan_logger.level  # torchtitan logs to the root logger
-    titan_logger.setLevel(logging.ERROR)  # its INFO/WARNING lines speak of a real run ("HF assets path ...")
-    try:
-        yield
-    finally:
-        titan_logger.setLevel(level)
-        titan_dist.set_spmd_backend(backend)
-        symm_mem._group_name_to_store.clear()
-        symm_mem._group_name_to_store.update(symm_stores)
-        for config, values in zip(configs, saved):
-            now = config.get_config_copy()
-            for key, value in values.items():
-                if now.get(key) is not value and now.get(key) != value:
-                    setattr(config, key, value)
 
 
 class _NoMetrics:
@@ -290,11 +258,10 @@ class TorchtitanJob(ConfigChecks):
         """torchtitan's ParallelDims over the simulated world, its loss, then the model spec's parallelize function
         (under pp: its pipelining function, which cuts this rank's stages and parallelizes each)."""
         from torchtitan.distributed import ParallelDims
-        from torchtitan.distributed import utils as dist_utils
 
         config = self.config
         self.parallel_dims = dims = ParallelDims.from_config(config.parallelism, self.world_size)
-        dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
+        titan_compat.set_spmd_backend(config.parallelism.spmd_backend)
         self.loss_fn = config.loss.build(compile_config=config.compile)
         if dims.pp_enabled:
             return self._pipeline(model)
@@ -628,7 +595,7 @@ def torchtitan_job(
         job.limitations.append(untested)
     device = "cpu" if real else default_simulation_device()
     with (
-        _restored_torchtitan_globals(),
+        titan_compat.restored_globals(),
         PatchSet(
             _device_patches(device)
             + families.dist_muon_device_patches(device)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import os
 import warnings
 from collections.abc import Sequence
@@ -35,15 +34,14 @@ def load_config(argv: Sequence[str]) -> Any:
         raise TorchtitanError(
             f"torchtitan is not importable ({err}); install the extra: pip install 'hyperdryrun[torchtitan]'"
         ) from None
-    from torchtitan.tools.logging import logger as titan_logger
+    from hyperdryrun.compat.torchtitan import quiet_logger
 
-    level = titan_logger.level  # torchtitan logs to the root logger; its warnings speak of a real run
-    titan_logger.setLevel(logging.ERROR)
     printed = io.StringIO()
     try:
-        _import_registry(argv)
-        with contextlib.redirect_stderr(printed):
-            return ConfigManager().parse_args(list(argv))
+        with quiet_logger():  # torchtitan's warnings speak of a real run
+            _import_registry(argv)
+            with contextlib.redirect_stderr(printed):
+                return ConfigManager().parse_args(list(argv))
     except SystemExit as err:  # tyro printed why, in a box
         if err.code == 0:  # torchtitan's --help, printed
             raise
@@ -52,8 +50,6 @@ def load_config(argv: Sequence[str]) -> Any:
     except (ValueError, ImportError, AttributeError) as err:
         missing = _missing_dependency(argv) if isinstance(err, ImportError) else None
         raise TorchtitanError(f"--module/--config: {missing or err}") from None
-    finally:
-        titan_logger.setLevel(level)
 
 
 def _module_name(argv: Sequence[str]) -> str | None:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hyperdryrun.compat import torch_dtensor
+from hyperdryrun.compat import process, torch_dtensor
 from hyperdryrun.trace.blocks import ALIGNMENT
 from hyperdryrun.trace.tracker import MemoryTracker, TrackingFakeTensorMode
 from hyperdryrun.world.autocast import CudaAutocast
@@ -104,6 +103,7 @@ class SimulatedWorld:
         self._stack = stack
         try:
             stack.callback(_restore_globals, _save_globals())
+            stack.enter_context(PatchSet([process.excepthook_patch()]))  # init_process_group wraps it
             torch_dtensor.clear_caches()
             stack.callback(torch_dtensor.clear_caches)
             from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -189,8 +189,6 @@ def _save_globals() -> dict[str, Any]:
         "device": torch.get_default_device(),
         "environ": dict(os.environ),
         "grad": torch.is_grad_enabled(),
-        # torch 2.13 init_process_group wraps sys.excepthook with a "[rank<r>]:" prefix and never unwraps it.
-        "excepthook": sys.excepthook,
     }
 
 
@@ -198,7 +196,6 @@ def _restore_globals(saved: dict[str, Any]) -> None:
     torch.set_default_dtype(saved["dtype"])
     torch.set_default_device(saved["device"] if saved["device"].type != "cpu" else None)
     torch.set_grad_enabled(saved["grad"])
-    sys.excepthook = saved["excepthook"]
     if dict(os.environ) != saved["environ"]:
         os.environ.clear()
         os.environ.update(saved["environ"])
