@@ -20,9 +20,10 @@ from hyperdryrun.commands import (
 )
 from hyperdryrun.commands.job import (
     RUN_FLAGS,
+    TARGET_FLAGS,
     _dest,
     _set,
-    _with_default,
+    add_flags,
     merge_rank_identity,
     naming_flag,
     target_from_args,
@@ -30,19 +31,7 @@ from hyperdryrun.commands.job import (
 from hyperdryrun.commands.run import finish_rank, parse_ranks
 from hyperdryrun.config import ConfigError, build_config
 
-SCRIPT_FLAGS = (
-    "--world-size",
-    "--rank",
-    "--local-rank",
-    "--target-device",
-    "--gpu",
-    "--alloc-conf",
-    "--device-memory-gib",
-    "--margin-gib",
-    "--margin-pct",
-    "--output-dir",
-    "--live-set-limit",
-)
+SCRIPT_FLAGS = ("--world-size", "--rank", "--local-rank", *TARGET_FLAGS, "--output-dir", "--live-set-limit")
 """``run``'s flags that apply to a script's job (the rest describe the built-in recipe's model and layout)."""
 IDENTITY = ("world_size", "rank", "local_rank")
 
@@ -77,10 +66,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("script", metavar="SCRIPT", help="train.py, train.py:function, package.module[:function]")
     p.__class__ = _ScriptParser
     p.set_defaults(script_args=[])
-    for flag in SCRIPT_FLAGS:
-        path, typ, help_ = RUN_FLAGS[flag]
-        p.add_argument(flag, dest=_dest(flag), type=typ, default=None, metavar=path.split(".")[-1],
-                       help=_with_default(path, help_))  # fmt: skip
+    add_flags(p, SCRIPT_FLAGS)
     p.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
     p.add_argument(
         "--all-ranks",
