@@ -16,6 +16,16 @@ from hyperdryrun.config import ConfigError
 from hyperdryrun.jobs import Job, layout_name, representatives
 
 
+def add_runner_flags(parser: Any) -> None:
+    """The flags of how a front door's ranks run, the same on ``script`` and ``torchtitan``."""
+    parser.add_argument(
+        "--in-process", action="store_true", help="one rank in this process, not a child (no crash guard)"
+    )
+    parser.add_argument("--no-stacks", action="store_true", help="do not capture Python stacks (faster)")
+    parser.add_argument("--quiet", action="store_true", help="print only the peak line")
+    parser.add_argument("--debug", action="store_true", help="tracebacks on errors")
+
+
 def run_outcomes(
     job: Job, cfg: Any, ranks: list[int], layout: dict[str, Any], args: Any, mode: str = "dry-run"
 ) -> list[Any]:
@@ -141,4 +151,4 @@ def fit_layouts(
     return EXIT_OK if chosen is not None else EXIT_VERDICT
 
 
-__all__ = ["fit_layouts", "run_many", "run_outcomes"]
+__all__ = ["add_runner_flags", "fit_layouts", "run_many", "run_outcomes"]

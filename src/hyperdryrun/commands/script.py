@@ -18,6 +18,7 @@ from hyperdryrun.commands import (
     fail,
     internal_error,
 )
+from hyperdryrun.commands.frontdoor import add_runner_flags
 from hyperdryrun.commands.job import (
     RUN_FLAGS,
     TARGET_FLAGS,
@@ -81,12 +82,7 @@ def register(subparsers: Any) -> None:
         help="dry-run every layout the script's hyperdryrun_layouts(world_size) declares (each rank class) "
         "against the capacity (--gpu or --device-memory-gib); the first that fits is chosen",
     )
-    p.add_argument(
-        "--in-process", action="store_true", help="one rank in this process, not a child (no crash guard)"
-    )
-    p.add_argument("--no-stacks", action="store_true", help="do not capture Python stacks (faster)")
-    p.add_argument("--quiet", action="store_true", help="print only the peak line")
-    p.add_argument("--debug", action="store_true", help="tracebacks on errors")
+    add_runner_flags(p)
     p.set_defaults(func=run)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, fail, one_line
 from hyperdryrun.commands.fit import _ints
+from hyperdryrun.commands.frontdoor import add_runner_flags
 from hyperdryrun.commands.job import TARGET_FLAGS, add_flags, flag_data, target_from_args
 from hyperdryrun.commands.measure import CPU_ONLY_NOTE
 from hyperdryrun.commands.preflight import check_cuda_environment, check_rank_outputs
@@ -108,12 +109,7 @@ def register(subparsers: Any) -> None:
             metavar=",".join(map(str, default)),
             help=f"{name} degrees --fit tries ({','.join(map(str, default))})",
         )
-    p.add_argument(
-        "--in-process", action="store_true", help="run in this process, not a child (no crash guard)"
-    )
-    p.add_argument("--no-stacks", action="store_true", help="do not capture Python stacks (faster)")
-    p.add_argument("--quiet", action="store_true", help="print only the peak line")
-    p.add_argument("--debug", action="store_true", help="tracebacks on errors")
+    add_runner_flags(p)
     p.set_defaults(func=run)
 
 
