@@ -46,9 +46,10 @@ COMMANDS = [
     script_command,
 ]
 """Each module registers one subcommand (memray's layout: one small module per command)."""
-RUNS_TORCH = frozenset({"run", "measure", "fit", "torchtitan", "audit-kernels"})
-"""The commands that execute a training step on the installed torch: an unsupported torch stops them before any
-work (:func:`hyperdryrun.compat.versions.torch_problem`); the others only read files."""
+RUNS_TORCH = frozenset({"run", "measure", "fit", "torchtitan", "script", "audit-kernels"})
+"""The commands that execute a training step on the installed torch: an unsupported or missing torch stops them
+before any work, in one line (:func:`hyperdryrun.compat.versions.torch_problem`); the others only read files and
+run without torch."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -357,9 +357,11 @@ def init_stages(model: torch.nn.Module, init_weights: Callable[[torch.nn.Module]
 
 
 def pipeline_held_buffers(schedule: Any) -> Iterator[tuple[torch.Tensor, Category, str]]:
-    """The p2p receive buffers of a built pipeline schedule's stages (``PipelineStage`` allocates one per micro
-    batch for activations and for gradients at the first step and keeps them): input data, ``Other``, as the dry
-    run labels them. Which entries are received: :func:`~hyperdryrun.compat.torch_pipelining.receive_buffer`."""
+    """The p2p receive buffers of a built pipeline schedule's stages (torch 2.11 to 2.14's ``PipelineStage``
+    allocates one per micro batch for activations and for gradients at the first step and keeps them; torch 2.15's
+    allocates each just before its receive and hands it to the computation, so none is kept): input data,
+    ``Other``, as the dry run labels them. Which entries are received:
+    :func:`~hyperdryrun.compat.torch_pipelining.receive_buffer`."""
     if schedule is None:
         return
     stages = getattr(schedule, "_stages", None) or [schedule._stage]

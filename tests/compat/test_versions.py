@@ -3,7 +3,10 @@ a report names, and the release list .ci/run tests. Runs on every supported rele
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -26,10 +29,20 @@ def test_pyproject_requires_exactly_the_supported_releases():
     """pip accepts every supported release already installed (so installing the package never replaces it) and
     refuses the releases on either side."""
     spec = torch_requirement().specifier
-    for version in ("2.11.0", "2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.0", "2.14.1"):
+    supported = (
+        "2.11.0",
+        "2.11.0+cu130",
+        "2.12.1",
+        "2.13.0+cpu",
+        "2.14.0",
+        "2.14.1",
+        "2.15.0",
+        "2.15.0+cu132",
+    )
+    for version in supported:
         assert spec.contains(version), version
         assert versions.torch_problem(version) is None, version
-    for version in ("2.10.0", "2.10.1+cu128", "2.15.0", "3.0.0"):
+    for version in ("2.10.0", "2.10.1+cu128", "2.16.0", "3.0.0"):
         assert not spec.contains(version), version
         assert versions.torch_problem(version) is not None, version
     assert str(spec) == ",".join(sorted(versions.TORCH_REQUIREMENT.split(",")))
@@ -61,14 +74,14 @@ def test_an_unsupported_torch_is_one_line_naming_the_range(monkeypatch):
     line = versions.torch_problem("2.10.0+cu128")
     assert "\n" not in line
     assert (
-        line.startswith("torch 2.10.0+cu128 is not supported") and "torch 2.11 to 2.14 (>=2.11,<2.15)" in line
+        line.startswith("torch 2.10.0+cu128 is not supported") and "torch 2.11 to 2.15 (>=2.11,<2.16)" in line
     )
     monkeypatch.setenv(versions.ALLOW_UNSUPPORTED, "1")
     assert versions.torch_problem("2.10.0+cu128") is None
     monkeypatch.setattr(versions, "installed_version", lambda name: None)
     assert (
         versions.torch_problem()
-        == "torch is not installed; hyperdryrun supports torch 2.11 to 2.14 (>=2.11,<2.15)"
+        == "torch is needed and not installed: hyperdryrun supports torch 2.11 to 2.15 (>=2.11,<2.16)"
     )
 
 
@@ -89,6 +102,72 @@ def test_the_cli_refuses_an_unsupported_torch_before_any_work(monkeypatch, tmp_p
     assert "torch" not in err
 
 
+# torch as if it were not installed, for a child process: a sitecustomize on PYTHONPATH that wraps every import
+# finder so that torch has neither a module spec nor distribution metadata (what pip uninstall leaves).
+NO_TORCH = """\
+import sys
+
+class Absent:
+    def __init__(self, finder):
+        self.finder = finder
+    def find_spec(self, name, path=None, target=None):
+        find = getattr(self.finder, "find_spec", None)
+        return None if name.split(".")[0] == "torch" or find is None else find(name, path, target)
+    def find_distributions(self, *args, **kwargs):
+        find = getattr(self.finder, "find_distributions", None)
+        return [d for d in (find(*args, **kwargs) if find else []) if (d.metadata["Name"] or "").lower() != "torch"]
+    def __getattr__(self, name):
+        return getattr(self.finder, name)
+
+sys.meta_path[:] = [Absent(finder) for finder in sys.meta_path]
+"""
+
+
+def without_torch(tmp_path: Path, *argv: str, module: str = "hyperdryrun") -> subprocess.CompletedProcess:
+    """``python -m module *argv`` in a child process that cannot find torch."""
+    (tmp_path / "sitecustomize.py").write_text(NO_TORCH)
+    return subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "src")])},
+    )
+
+
+def test_without_torch_the_help_prints_and_commands_that_run_a_step_say_torch_is_needed(tmp_path):
+    (tmp_path / "probe.py").write_text(
+        "import importlib.metadata as m, importlib.util as u\n"
+        "assert u.find_spec('torch') is None and m.version('pydantic')\n"
+        "try:\n    import torch\nexcept ModuleNotFoundError:\n    pass\nelse:\n    raise SystemExit(1)\n"
+        "try:\n    m.version('torch')\nexcept m.PackageNotFoundError:\n    pass\nelse:\n    raise SystemExit(1)\n"
+    )
+    probe = without_torch(tmp_path, module="probe")
+    assert probe.returncode == 0, probe.stderr  # no module, no metadata: as where torch is not installed
+    for argv in (["--help"], ["run", "--help"], ["--version"]):
+        done = without_torch(tmp_path, *argv)
+        assert done.returncode == 0 and done.stderr == "", (argv, done.stderr)
+        assert done.stdout.startswith("usage: hyperdryrun" if argv[-1] == "--help" else "hyperdryrun "), argv
+    for argv in (
+        ["run", "--model", "llama-tiny"],
+        ["measure", "--model", "llama-tiny"],
+        ["fit", "--model", "llama-tiny"],
+        ["torchtitan", "--module", "llama3", "--config", "llama3_debugmodel"],
+        ["script", "train.py"],
+        ["audit-kernels"],
+    ):
+        done = without_torch(tmp_path, *argv)
+        assert done.returncode == 2 and done.stdout == "", (argv, done.stderr)
+        assert done.stderr == (
+            "hyperdryrun: error: torch is needed and not installed: hyperdryrun supports "
+            f"{versions.supported_range()}\n"
+        ), argv
+    # the commands that only read files run: here report's own error about the missing input
+    done = without_torch(tmp_path, "report", "missing.json")
+    assert done.returncode == 2 and "torch" not in done.stderr and "missing.json" in done.stderr
+
+
 def test_the_python_api_refuses_an_unsupported_torch_before_any_work(monkeypatch):
     import hyperdryrun
     from hyperdryrun.engine import simulate
@@ -102,7 +181,7 @@ def test_the_python_api_refuses_an_unsupported_torch_before_any_work(monkeypatch
         return torch.nn.Linear(4, 4)
 
     with pytest.raises(
-        versions.UnsupportedTorchError, match=r"^torch 2\.10\.0 is not supported: .*2\.11 to 2\.14"
+        versions.UnsupportedTorchError, match=r"^torch 2\.10\.0 is not supported: .*2\.11 to 2\.15"
     ):
         simulate(model_fn, lambda i, device: torch.zeros(2, 4, device=device), world_size=1)
     assert built == []  # nothing was built: the check comes before the world

@@ -38,7 +38,7 @@ CUBLAS_32MIB_MAJORS: tuple[tuple[tuple[int, int], frozenset[int]], ...] = (
 minor) on that has them. Read from the released builds' ``at::cuda::parseChosenWorkspaceSize()`` (disassembled
 ``libtorch_cuda.so`` of the PyPI wheels, offset 0x168 of ``cudaDeviceProp`` being ``major``): 2.11.0 compares
 ``major == 9``; 2.12.1 and 2.13.0 ``major - 9 <= 1 || major == 12`` (#175344, merged 2026-02-19, after 2.11's
-branch cut); 2.14.1 ``major - 9 < 4`` (9 to 12: Thor's sm110 joins)."""
+branch cut); 2.14.1 and 2.15.0 ``major - 9 < 4`` (9 to 12: Thor's sm110 joins)."""
 
 
 def cublas_workspace_bytes(

@@ -13,9 +13,9 @@ import os
 import re
 import sys
 
-SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 14))
-"""The first and last supported torch release (major, minor), both included: 2.11, 2.12, 2.13 and 2.14."""
-TORCH_REQUIREMENT = ">=2.11,<2.15"
+SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 15))
+"""The first and last supported torch release (major, minor), both included: 2.11, 2.12, 2.13, 2.14 and 2.15."""
+TORCH_REQUIREMENT = ">=2.11,<2.16"
 """The same range as a pip specifier: the ``torch`` requirement of pyproject.toml."""
 ALLOW_UNSUPPORTED = "HYPERDRYRUN_ALLOW_UNSUPPORTED_TORCH"
 """Set to 1 to run on a torch outside the range anyway (trying a new release); reports still name the version."""
@@ -57,7 +57,7 @@ def release(version: str) -> tuple[int, int] | None:
 
 
 def supported_range() -> str:
-    """The supported releases in words: ``torch 2.11 to 2.14 (>=2.11,<2.15)``."""
+    """The supported releases in words: ``torch 2.11 to 2.15 (>=2.11,<2.16)``."""
     (a, b), (c, d) = SUPPORTED_TORCH
     return f"torch {a}.{b} to {c}.{d} ({TORCH_REQUIREMENT})"
 
@@ -67,7 +67,7 @@ def torch_problem(version: str | None = None) -> str | None:
     :data:`ALLOW_UNSUPPORTED` is set)."""
     version = installed_version("torch") if version is None else version
     if version is None:
-        return f"torch is not installed; hyperdryrun supports {supported_range()}"
+        return f"torch is needed and not installed: hyperdryrun supports {supported_range()}"
     if os.environ.get(ALLOW_UNSUPPORTED, "") not in ("", "0"):
         return None
     found = release(version)

@@ -239,9 +239,11 @@ def tracked_stage(
 def _stage_class() -> type:
     from torch.distributed.pipelining import PipelineStage
 
-    class TrackedStage(PipelineStage):
+    class TrackedStage(torch_pipelining.SentFakeOutputsReleased, PipelineStage):
         """``PipelineStage`` that tells the tracker which micro batch it computes and labels its p2p receive
-        buffers (one per micro batch, allocated at the first step and kept) as ``Other``."""
+        buffers (torch 2.11 to 2.14: one per micro batch, allocated at the first step and kept) as ``Other``; its
+        fake outputs are released after their send as real ones are (torch 2.15:
+        :class:`~hyperdryrun.compat.torch_pipelining.SentFakeOutputsReleased`)."""
 
         def _label(self, mb: int) -> None:
             tracker = active_tracker()

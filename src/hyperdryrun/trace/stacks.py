@@ -18,9 +18,16 @@ def _dir(module_file: str) -> str:
 
 _PKG = _dir(os.path.dirname(os.path.abspath(__file__)))  # hyperdryrun/, the parent of this file's trace/
 _OWN_USER_CODE = (_PKG + "models" + os.sep,)  # the built-in recipe's model code is user code there
-_TORCH = _dir(
-    importlib.util.find_spec("torch").origin
-)  # found, not imported: reports and the CLI stay torch-free
+
+
+def _package_dirs(name: str) -> tuple[str, ...]:
+    """The folder of an installed package, found, not imported (reports and the CLI stay torch-free); none when it
+    is not installed (``hyperdryrun --help`` runs without torch)."""
+    spec = importlib.util.find_spec(name)
+    return (_dir(spec.origin),) if spec is not None and spec.origin else ()
+
+
+_TORCH = _package_dirs("torch")
 _LAUNCHERS = os.path.join(sys.prefix, "bin") + os.sep  # console-script entry points
 _SITE = tuple(sorted({p + os.sep for p in sys.path if p.endswith(("site-packages", "dist-packages"))}))
 _STDLIB = _dir(os.__file__)
@@ -48,7 +55,7 @@ def user_frame(filename: str) -> bool:
     f = os.path.abspath(filename)
     if f.startswith(_PKG):
         return f.startswith(_OWN_USER_CODE)
-    if f.startswith((_TORCH, _LAUNCHERS)):
+    if f.startswith((*_TORCH, _LAUNCHERS)):
         return False
     if f.startswith(_SITE):
         return True
