@@ -292,6 +292,24 @@ def test_the_figures_table_row_of_the_first_command_is_its_report(first_run):
     assert [f"{s[k] / 2**30:.2f}" for k in keys] == quoted
 
 
+def test_the_readme_s_headroom_on_each_card_is_its_capacity_less_the_device_peak(first_run):
+    """ "With --gpu h100-80gb (79.11 GiB ...) it fits with 3.49 GiB to spare, more than the verdict's 1% margin; with
+    --gpu h200 (139.80 GiB) 64.18 GiB": each card's capacity (world/gpus.py) less the first command's device peak.
+    The job reserves the same under those capacities as without one (it fits: no cache release), and its kernels
+    are the same sm90 choices (no preset: an H100's), so the run without --gpu gives the device peak."""
+    from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION
+    from hyperdryrun.world.gpus import gpu_preset
+
+    device = first_run[1]["summary"]["peak_device_bytes"]
+    text = " ".join(README.read_text().split())
+    for gpu in ("h100-80gb", "h200"):
+        capacity = gpu_preset(gpu).capacity_bytes
+        quoted = re.search(rf"`--gpu {gpu}` \((\d+\.\d\d) GiB.*? (\d+\.\d\d) GiB", text)
+        assert quoted is not None, gpu
+        assert (f"{capacity / 2**30:.2f}", f"{(capacity - device) / 2**30:.2f}") == quoted.groups()
+        assert capacity - device > DEVICE_ERROR_FRACTION * capacity  # more than the margin: it fits
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the pages themselves
 # ---------------------------------------------------------------------------------------------------------
