@@ -1,4 +1,4 @@
-"""Write every report of the accuracy matrix and the README examples into a folder, or diff two such folders.
+"""Write every report of the accuracy matrix and the documented examples (README, docs/) into a folder, or diff two.
 
 Used to show that a restructuring leaves every report byte-identical:
 
@@ -7,7 +7,7 @@ Used to show that a restructuring leaves every report byte-identical:
     python scripts/report_snapshot.py diff /tmp/before /tmp/after   # exit 0: identical, 1: lists what differs
 
 Each job runs through the installed ``hyperdryrun`` command (``run`` and, for the accuracy rows, ``measure``), so the
-script depends on no internal API. ``--quick`` skips the README's big-model examples (minutes each).
+script depends on no internal API. ``--quick`` skips the big-model examples (minutes each).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+DOC_PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+"""Where the documented commands are: the README and the reference pages."""
 BIG = ("llama3-405b", "deepseek-v3", "llama3-70b")
 
 
@@ -34,8 +35,9 @@ def accuracy_jobs() -> list[tuple[str, dict]]:
 
 
 def readme_commands() -> list[tuple[str, list[str], dict[str, str]]]:
-    """The ``hyperdryrun run``/``measure`` commands of the README's bash blocks (job.yaml examples excluded)."""
-    text = README.read_text()
+    """The ``hyperdryrun run``/``measure`` commands of the bash blocks of the README and docs/ (job.yaml examples
+    excluded)."""
+    text = "\n".join(page.read_text() for page in DOC_PAGES)
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -49,8 +51,8 @@ def readme_commands() -> list[tuple[str, list[str], dict[str, str]]]:
                 env[k] = v
             if len(words) < 2 or words[0] != "hyperdryrun" or words[1] not in ("run", "measure"):
                 continue
-            if "--config" in words:
-                continue
+            if "--config" in words or any((words[1:], env) == (argv, e) for _, argv, e in out):
+                continue  # a job file, or a command another page shows too
             out.append((f"readme-{len(out):02d}", words[1:], env))
     return out
 
@@ -138,7 +140,7 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record")
     r.add_argument("out", type=Path)
-    r.add_argument("--quick", action="store_true", help="skip the big-model README examples")
+    r.add_argument("--quick", action="store_true", help="skip the big-model examples of the docs")
     d = sub.add_parser("diff")
     d.add_argument("a", type=Path)
     d.add_argument("b", type=Path)

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import pytest
 
 from hyperdryrun.cli import main
+from tests.doc_pages import the_block
 
 HERE = Path(__file__).resolve().parent
 JOB = str(HERE / "_script_job.py")
 SEGFAULT = str(HERE / "_script_segfault.py")
-README = HERE.parents[1] / "README.md"
 
 # _script_job.py: 2 x Linear(256, 256) with bias in fp32, sharded evenly by FSDP2 over the shard dim of the mesh
 PARAM_BYTES = 2 * (256 * 256 + 256) * 4
@@ -38,12 +37,11 @@ def _no_torchrun_env(monkeypatch):
 
 
 def readme_example() -> str:
-    (block,) = [
-        b
-        for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-        if "hyperdryrun.simulate(" in b
-    ]
-    return block
+    """The Python API example of the docs (docs/SCRIPTS_AND_API.md), whichever page holds it."""
+    return the_block("python", "hyperdryrun.simulate(")[1]
+
+
+EXAMPLE_PAGE = the_block("python", "hyperdryrun.simulate(")[0]
 
 
 def report(out: Path, rank: int) -> dict:
@@ -69,7 +67,7 @@ def test_the_readme_example_runs_unchanged_and_gives_the_python_apis_bytes(tmp_p
     # the same example through the Python API, in this process
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "readme_example"}
-    exec(compile(readme_example(), str(README), "exec"), namespace)
+    exec(compile(readme_example(), str(EXAMPLE_PAGE), "exec"), namespace)
     api = json.loads((tmp_path / "my_run" / "rank_3" / "rank_3_memory.json").read_text())
     assert cli["summary"]["peak_bytes"] == namespace["trace"].peak
     assert cli["summary"] == api["summary"]  # every figure, the verdict included
