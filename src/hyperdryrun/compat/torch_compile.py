@@ -269,3 +269,96 @@ def post_grad_passes(gm: Any, example_inputs: Any, is_inference: bool) -> None:
         fake_mode = fake_tensor_prop(gm, example_inputs)
     with V.set_fake_mode(fake_mode):
         _recursive_post_grad_passes(gm, is_inference=is_inference)
+
+
+def inductor_wrapper_source(gm: Any, example_inputs: Any, **graph_kwargs: Any) -> str:
+    """The Python wrapper Inductor generates for a partitioned graph: its post-grad passes, lowering, scheduling
+    (fusion, reordering for peak memory) and wrapper codegen (buffer allocation, reuse and frees), with no kernel
+    compiled (kernels are compiled when the module is loaded). torch 2.11 to 2.14 ``torch/_inductor/compile_fx.py``
+    ``_InProcessFxCompile.codegen_and_compile`` up to ``graph.codegen()``."""
+    from torch._inductor import compile_fx as cfx
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), DebugContext():
+        return _wrapper_source(cfx, GraphLowering, V, gm, example_inputs, graph_kwargs)
+
+
+def _wrapper_source(
+    cfx: Any, GraphLowering: Any, V: Any, gm: Any, example_inputs: Any, graph_kwargs: Any
+) -> str:
+    is_inference = bool(graph_kwargs.get("is_inference", False))
+    cfx.view_to_reshape(gm)
+    with torch.no_grad():
+        fake_mode = cfx.fake_tensor_prop(gm, example_inputs)
+    cfx._recursive_record_original_output_strides(gm)
+    with V.set_fake_mode(fake_mode):
+        cfx._recursive_post_grad_passes(gm, is_inference=is_inference)
+        shape_env = gm.shape_env or cfx.shape_env_from_inputs(example_inputs)
+        graph = GraphLowering(
+            gm,
+            example_inputs=example_inputs,
+            shape_env=shape_env,
+            graph_id=graph_kwargs.get("graph_id"),
+            is_inference=is_inference,
+            is_backward=bool(graph_kwargs.get("is_backward", False)),
+            get_decomp_fn=graph_kwargs.get("get_decomp_fn", cfx.select_decomp_table),
+        )
+        graph.freeze_runtime_asserts()
+        with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]):
+            graph.run(*example_inputs)
+            wrapper, _ = graph.codegen()
+    return wrapper.value
+
+
+class _NoKernel:
+    """A compiled kernel that is never compiled nor run: its call (C++ ``kernel(...)``) and ``.run(...)`` (Triton)
+    do nothing; buffers a kernel writes are allocated by the wrapper before it is called."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _NoCompile:
+    """``AsyncCompile`` of a wrapper executed on fake tensors: every kernel definition is a :class:`_NoKernel`."""
+
+    def wait(self, scope: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Callable[..., _NoKernel]:
+        return lambda *args, **kwargs: _NoKernel()
+
+
+def load_wrapper(source: str, device: str) -> Callable[[list[Any]], Any]:
+    """The ``call(args)`` of an Inductor wrapper module ``source``, executable on fake tensors: its kernels do
+    nothing, its buffers are ``torch.empty_strided`` on ``device`` (the fake mode allocates them), views of them
+    ``as_strided``, its size/stride asserts skipped. torch 2.11 to 2.14 ``PythonWrapperCodegen.write_header``: the
+    module binds ``empty_strided_<device>``, ``reinterpret_tensor`` and ``assert_*`` from ``torch._C._dynamo.guards``
+    (C++ functions that bypass the dispatcher) and defines its kernels through ``AsyncCompile`` when loaded."""
+    import torch._inductor.async_compile as async_compile
+
+    namespace: dict[str, Any] = {"__name__": "hyperdryrun_inductor_wrapper"}
+    original = async_compile.AsyncCompile
+    async_compile.AsyncCompile = _NoCompile  # type: ignore[misc,assignment]
+    try:
+        exec(compile(source, "<inductor wrapper>", "exec"), namespace)
+    finally:
+        async_compile.AsyncCompile = original  # type: ignore[misc]
+
+    def empty_strided(size: Any, stride: Any, dtype: Any, *args: Any) -> torch.Tensor:
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+    def reinterpret_tensor(base: torch.Tensor, size: Any, stride: Any, offset: int = 0) -> torch.Tensor:
+        return base.as_strided(size, stride, base.storage_offset() + offset)
+
+    for name in list(namespace):
+        if name.startswith("empty_strided_") and name != "empty_strided_p2p":
+            namespace[name] = empty_strided
+    namespace["reinterpret_tensor"] = reinterpret_tensor
+    namespace["assert_size_stride"] = namespace["assert_alignment"] = lambda *args, **kwargs: None
+    return namespace["call"]

@@ -68,6 +68,8 @@ class RegionGraphs:
     eager_saved: int = 0
     compiled_saved: int = 0
     recomputed: Counter = dataclasses.field(default_factory=Counter)
+    unlowered: list[str] = dataclasses.field(default_factory=list)
+    """Why graphs of this region could not be lowered by Inductor here (they ran op by op)."""
 
 
 def storage_bytes(values: list[Any], inputs: list[Any] = ()) -> int:
@@ -125,8 +127,8 @@ class CompiledCode:
         self._new_codes: dict[CodeType, None] = {}
         """Code objects dynamo compiled here that it had no cache entries for before: forgotten on exit."""
         self._seen_codes: set[CodeType] = set()
-        self._bw_regions: dict[int, str] = {}
-        """id of a partitioned backward graph -> its region (AOTAutograd compiles backward at its first call)."""
+        self._bw_regions: dict[str, str] = {}
+        """A partitioned backward graph's code -> its region (AOTAutograd compiles backward at its first call)."""
         self._stack: contextlib.ExitStack | None = None
 
     @property
@@ -232,19 +234,36 @@ class CompiledCode:
         return self.compiled.setdefault(name, RegionGraphs())
 
     def _inner_compile(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-        """Inductor's ``compile_fx_inner`` for a dry run: its post-grad passes, then the graph is executed (not
-        lowered) on the fake tensors each call. A backward graph is compiled at its first call, inside the step:
-        the tracker is paused for it as for the forward."""
+        """Inductor's ``compile_fx_inner`` for a dry run: its post-grad passes, lowering, scheduling and wrapper
+        codegen, no kernel compiled; each call executes the wrapper on the fake tensors (its buffers allocated,
+        reused and freed where Inductor's are, its kernels doing nothing). A graph Inductor cannot lower here is
+        executed op by op (a limitation line names it). A backward graph is compiled at its first call, inside the
+        step: the tracker is paused for it as for the forward."""
         is_inference = bool(kwargs.get("is_inference", False))
         is_backward = bool(kwargs.get("is_backward", False))
-        tracker = self.tracker()
-        with tracker.paused() if tracker is not None and is_backward else contextlib.nullcontext():
-            torch_compile.post_grad_passes(gm, example_inputs, is_inference)
+        if is_backward:
+            # compiled at its first call: the region its forward was compiled for (one per graph's placeholders)
+            name = self._bw_regions.get(_signature(gm), "?")
+        else:
+            name = self._compiling[-1] if self._compiling else "?"
+        region = self.compiled.setdefault(name, RegionGraphs())
         if is_inference:
-            self._region().inference_graphs += 1
+            region.inference_graphs += 1
         elif not is_backward:
-            self._region().graphs += 1
-        return torch_compile.graph_output_code(lambda inputs: GraphRun(gm, inputs).run_graph())
+            region.graphs += 1
+        tracker = self.tracker()
+        with tracker.paused() if tracker is not None else contextlib.nullcontext():
+            try:
+                call = torch_compile.load_wrapper(
+                    torch_compile.inductor_wrapper_source(gm, example_inputs, **kwargs),
+                    self.simulation_device,
+                )
+            except Exception as err:  # noqa: BLE001 - any lowering failure: the graph still runs, op by op
+                region.unlowered.append(
+                    f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                )
+                return torch_compile.graph_output_code(lambda inputs: GraphRun(gm, inputs).run_graph())
+        return torch_compile.graph_output_code(call)
 
     def _partitioned(
         self,
@@ -260,7 +279,7 @@ class CompiledCode:
             if n.op == "placeholder" and not n.name.startswith("tangents")
         ]
         region = self._region()
-        self._bw_regions[id(bw)] = self._compiling[-1] if self._compiling else "?"
+        self._bw_regions[_signature(bw)] = self._compiling[-1] if self._compiling else "?"
         region.eager_saved += storage_bytes(eager_saved, joint_inputs)
         region.compiled_saved += storage_bytes(saved, fw_inputs)
         for n in bw.graph.nodes:
@@ -296,10 +315,22 @@ class CompiledCode:
             out.append(line)
         if self.compiled:
             out.append(
-                "compiled graphs are executed op by op on the fake tensors: every op's output is allocated and freed "
-                "after its last use; Inductor's fusion (no buffers for a fused kernel's intermediates) and buffer "
-                "reuse are not modelled"
+                "compiled graphs run as Inductor's generated wrapper with its kernels doing nothing: the buffers it "
+                "allocates, reuses (donated inputs included) and frees are counted, fused kernels' intermediates are "
+                "not; the plan is Inductor's C++ (CPU) backend's"
+                + (
+                    ", which a CUDA target's Triton backend follows but for what it schedules differently (split "
+                    "reductions' partial-result buffers, template and autotuning choices), not modelled"
+                    if self.target_device == "cuda"
+                    else ""
+                )
             )
+        for name, region in sorted(self.compiled.items()):
+            if region.unlowered:
+                out.append(
+                    f"torch.compile region {name}: {len(region.unlowered)} graph(s) Inductor could not lower on this "
+                    f"host ran op by op, every op's output allocated ({region.unlowered[0]})"
+                )
         eager = sorted(
             name for name in self.eager_regions if not (self.models_flex and name in MODELLED_REGIONS)
         )
@@ -323,6 +354,12 @@ class CompiledCode:
                 "unfused path, which materialises the attention scores; counted as the compiled kernels"
             )
         return out
+
+
+def _signature(gm: torch.fx.GraphModule) -> str:
+    """A backward graph as partitioned and as compiled later (AOTAutograd may copy the module): its placeholders
+    and nodes' names."""
+    return ",".join(n.name for n in gm.graph.nodes)
 
 
 def _op_name(target: Any) -> str:
