@@ -199,3 +199,17 @@ def test_simulation_restores_the_compiler_and_flex_globals(fails):
         assert any(x.startswith(f"torch.compile region {__name__}.chain") for x in trace.limitations)
     assert _globals() == before
     assert before["cache_entries"] == 0  # dynamo's cache of the compiled code is as before the dry run
+
+
+def broken_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.graph_break()  # fullgraph=True: dynamo refuses the region
+    return chain(x, w1, w2)
+
+
+def test_a_region_dynamo_cannot_compile_runs_eagerly_and_is_named():
+    fn = torch.compile(broken_chain, fullgraph=True)
+    eager = simulate(lambda: Model(False, chain), target_device="cpu")
+    trace = simulate(lambda: Model(False, fn), target_device="cpu")
+    (line,) = [x for x in trace.limitations if "could not be compiled on the fake tensors" in x]
+    assert f"{__name__}.broken_chain" in line and "broken_chain (Unsupported" in line
+    assert trace.peak == eager.peak  # the eager bytes: nothing of it was compiled

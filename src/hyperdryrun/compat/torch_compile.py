@@ -118,13 +118,28 @@ class CompileCallback:
     where dynamo traces and the backend compiles); ``_torchdynamo_orig_backend`` keeps ``innermost_backend`` and the
     cache entries' backend (the backend-match guard) the user's."""
 
-    def __init__(self, callback: Any, around: Callable[[FrameType], Any]) -> None:
+    def __init__(
+        self,
+        callback: Any,
+        around: Callable[[FrameType], Any],
+        on_failure: Callable[[FrameType, BaseException], None] | None = None,
+    ) -> None:
         self._torchdynamo_orig_backend = callback
         self._around = around
+        self._on_failure = on_failure
 
     def __call__(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:
         with self._around(frame):
-            return self._torchdynamo_orig_backend(frame, cache_entry, frame_state)
+            try:
+                return self._torchdynamo_orig_backend(frame, cache_entry, frame_state)
+            except Exception as err:
+                if self._on_failure is None:
+                    raise
+                self._on_failure(frame, err)
+        # torch 2.11 to 2.14 ``ConvertFrameReturn()``: run this frame as it is, uncompiled
+        from torch._dynamo.types import ConvertFrameReturn
+
+        return ConvertFrameReturn()
 
 
 def cache_entries(code: Any) -> int:

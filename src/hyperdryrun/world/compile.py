@@ -120,6 +120,8 @@ class CompiledCode:
         self.eager_regions: set[str] = set()
         """Regions whose backend is not Inductor: they ran eagerly."""
         self.compiled: dict[str, RegionGraphs] = {}
+        self.failed: dict[str, dict[str, None]] = {}
+        """Regions with frames that could not be compiled on the fake tensors (they ran eagerly), and why."""
         self.eager_flex_calls = 0
         """flex_attention calls not compiled by the user (on a GPU: the unfused path, modelled as compiled)."""
         self._wrapper_codes: set[CodeType] = set()
@@ -200,7 +202,11 @@ class CompiledCode:
                     f"torch.compile region {name} asks for CUDA graphs (mode='reduce-overhead' or "
                     "triton.cudagraphs), which the dry run does not model; compile it without them"
                 )
-            return torch_compile.CompileCallback(callback, lambda frame: self._compile(name, frame, dry=True))
+            return torch_compile.CompileCallback(
+                callback,
+                lambda frame: self._compile(name, frame, dry=True),
+                lambda frame, err: self._failed(name, frame, err),
+            )
 
         return torch_compile.stance_recording_patch(eval_frame, on_compiled_call)
 
@@ -227,6 +233,11 @@ class CompiledCode:
                 yield
         finally:
             self._compiling.pop()
+
+    def _failed(self, name: str, frame: FrameType, err: BaseException) -> None:
+        """Dynamo or the dry run's compiler could not compile ``frame`` on the fake tensors: it runs eagerly."""
+        reason = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        self.failed.setdefault(name, {})[f"{frame.f_code.co_qualname} ({reason})"] = None
 
     # ------------------------------------------------------------------ the dry run's Inductor
     def _region(self) -> RegionGraphs:
@@ -331,6 +342,11 @@ class CompiledCode:
                     f"torch.compile region {name}: {len(region.unlowered)} graph(s) Inductor could not lower on this "
                     f"host ran op by op, every op's output allocated ({region.unlowered[0]})"
                 )
+        for name, frames in sorted(self.failed.items()):
+            out.append(
+                f"torch.compile region {name} ran eagerly where it could not be compiled on the fake tensors: "
+                f"{'; '.join(frames)}"
+            )
         eager = sorted(
             name for name in self.eager_regions if not (self.models_flex and name in MODELLED_REGIONS)
         )
