@@ -1,13 +1,22 @@
-"""torch.compile in a simulated world: no compiled kernel runs on fake data, compiled regions run eagerly and are
-named in a limitation line, and every global this touches is restored (also after an exception)."""
+"""torch.compile in a simulated world: Inductor regions are compiled by torch (dynamo, AOTAutograd, Inductor's
+partitioner) and their graphs executed on the fake tensors, so what they save for backward is what a real compiled
+run saves; regions with another backend run eagerly and are named; no compiled kernel runs on fake data; every
+global this touches is restored (also after an exception)."""
 
 from __future__ import annotations
+
+import os
+from unittest import mock
 
 import pytest
 import torch
 import torch._dynamo.eval_frame as eval_frame
+import torch._functorch.config as functorch_config
+import torch._inductor.compile_fx as compile_fx_module
+import torch._inductor.config as inductor_config
 import torch.nn.attention.flex_attention as flex_module
 from torch import nn
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._ops import _higher_order_ops
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -31,24 +40,79 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
 compiled_mlp = torch.compile(mlp, backend=recording_backend)
 
 
+def chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w1).sin().cos() @ w2
+
+
+inductor_chain = torch.compile(chain)
+
+
 class Model(nn.Module):
-    def __init__(self, compiled: bool) -> None:
+    def __init__(self, compiled: bool, fn=None) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(DIM, 4 * DIM))
         self.w2 = nn.Parameter(torch.empty(4 * DIM, DIM))
-        self.fn = compiled_mlp if compiled else mlp
+        self.fn = fn if fn is not None else compiled_mlp if compiled else mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x, self.w1, self.w2)
 
 
-def simulate(model_fn, loss_fn=lambda model, x: model(x).sum()):
+def simulate(model_fn, loss_fn=lambda model, x: model(x).sum(), **kwargs):
     return hyperdryrun.simulate(
-        model_fn, lambda i, device: torch.randn(8, DIM, device=device), loss_fn=loss_fn, capture_stacks=False
+        model_fn,
+        lambda i, device: torch.randn(8, DIM, device=device),
+        loss_fn=loss_fn,
+        capture_stacks=False,
+        **kwargs,
     )
 
 
-def test_compiled_region_runs_eagerly_with_the_eager_bytes_and_a_limitation():
+def real_saved_bytes(fn) -> int:
+    """Bytes of the distinct storages a real CPU step of ``fn`` saves for backward (its inputs left out), seen by
+    autograd's pack hook: eager autograd's saved tensors, or a compiled region's (AOTAutograd saves the
+    partitioner's forward outputs with ``ctx.save_for_backward``)."""
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(8, DIM), torch.randn(DIM, 4 * DIM, requires_grad=True), torch.randn(4 * DIM, DIM)
+    w2.requires_grad_(True)
+    inputs = {t.untyped_storage().data_ptr() for t in (x, w1, w2)}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in inputs:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x, w1, w2).sum().backward()
+    return sum(saved.values())
+
+
+def test_inductor_region_saves_for_backward_what_a_real_compiled_step_saves():
+    """relu(x @ w1).sin().cos() @ w2 on 8 x 256 fp32 intermediates (8,192 B each): eager autograd saves relu's,
+    sin's and cos's outputs (3 x 8,192 B); Inductor's min-cut partitioner saves the matmul's output and cos's and
+    recomputes relu and sin in the backward (2 x 8,192 B). The dry run's line carries both, and a real CPU
+    Inductor step (gcc) saves exactly the compiled figure."""
+    trace = simulate(lambda: Model(False, inductor_chain), target_device="cpu")
+    (line,) = [x for x in trace.limitations if x.startswith(f"torch.compile region {__name__}.chain")]
+    assert "1 training graph(s)" in line
+    assert "(16384 B; 24576 B with no recomputation)" in line
+    assert "recomputed in backward: aten.relu x1, aten.sin x1" in line
+    assert not any("ran eagerly" in x for x in trace.limitations)
+    assert real_saved_bytes(chain) == 3 * 8 * 4 * DIM * 4
+    # Inductor's C++ loader sets _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR in the environment: put back
+    with mock.patch.dict(os.environ):
+        torch._dynamo.reset()
+        try:
+            assert real_saved_bytes(torch.compile(chain)) == 2 * 8 * 4 * DIM * 4
+        finally:
+            torch._dynamo.reset()
+    # the eager model's dry run holds relu, sin and cos to the backward; the compiled one mm and cos
+    eager = simulate(lambda: Model(False), target_device="cpu")
+    assert trace.peak <= eager.peak
+
+
+def test_region_with_another_backend_runs_eagerly_with_the_eager_bytes_and_a_limitation():
     BACKEND_CALLS.clear()
     eager, compiled = simulate(lambda: Model(False)), simulate(lambda: Model(True))
     assert BACKEND_CALLS == []  # the backend (Inductor's place) never saw the fake tensors
@@ -56,7 +120,7 @@ def test_compiled_region_runs_eagerly_with_the_eager_bytes_and_a_limitation():
         (b.op, b.size, b.start, b.end) for b in eager.blocks
     ]
     assert compiled.peak == eager.peak
-    (line,) = [x for x in compiled.limitations if x.startswith("torch.compile regions ran eagerly")]
+    (line,) = [x for x in compiled.limitations if x.startswith("torch.compile regions with a backend other")]
     assert f"{__name__}.mlp" in line
     assert not any(x.startswith("torch.compile regions") for x in eager.limitations)
     compiled_mlp(torch.randn(2, DIM), torch.randn(DIM, 4 * DIM), torch.randn(4 * DIM, DIM))
@@ -75,10 +139,19 @@ def test_compiled_module_is_named_by_its_class():
     assert any("Model module" in x for x in trace.limitations)
 
 
+def test_cuda_graphs_are_refused_in_one_line_for_a_cuda_target():
+    with pytest.raises(hyperdryrun.SimulationError, match="asks for CUDA graphs") as err:
+        simulate(lambda: Model(False, torch.compile(chain, mode="reduce-overhead")), target_device="cuda")
+    assert "\n" not in str(err.value)
+
+
 def _globals() -> dict:
     return {
         "stance": eval_frame._stance,
         "callback_from_stance": eval_frame._callback_from_stance,
+        "compile_fx": (compile_fx_module.compile_fx, compile_fx_module.min_cut_rematerialization_partition),
+        "configs": (functorch_config.save_config(), inductor_config.save_config()),
+        "cache_entries": len(_debug_get_cache_entry_list(chain.__code__)),
         "flex": {
             name: getattr(flex_module, name)
             for name in (
@@ -115,9 +188,28 @@ def test_simulation_restores_the_compiler_and_flex_globals(fails):
             raise RuntimeError("boom")
         return model(x).sum()
 
+    def model_fn():
+        return Model(False, inductor_chain)
+
     if fails:
         with pytest.raises(hyperdryrun.SimulationError, match="boom"):
-            simulate(lambda: Model(True), loss_fn)
+            simulate(model_fn, loss_fn)
     else:
-        simulate(lambda: Model(True), loss_fn)
+        trace = simulate(model_fn, loss_fn)
+        assert any(x.startswith(f"torch.compile region {__name__}.chain") for x in trace.limitations)
     assert _globals() == before
+    assert before["cache_entries"] == 0  # dynamo's cache of the compiled code is as before the dry run
+
+
+def broken_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.graph_break()  # fullgraph=True: dynamo refuses the region
+    return chain(x, w1, w2)
+
+
+def test_a_region_dynamo_cannot_compile_runs_eagerly_and_is_named():
+    fn = torch.compile(broken_chain, fullgraph=True)
+    eager = simulate(lambda: Model(False, chain), target_device="cpu")
+    trace = simulate(lambda: Model(False, fn), target_device="cpu")
+    (line,) = [x for x in trace.limitations if "could not be compiled on the fake tensors" in x]
+    assert f"{__name__}.broken_chain" in line and "broken_chain (Unsupported" in line
+    assert trace.peak == eager.peak  # the eager bytes: nothing of it was compiled

@@ -101,6 +101,12 @@ class ValueRuleMode(TorchDispatchMode):
         super().__init__()
         self.rules = rules
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Dynamo compiles under it (torch 2.11 to 2.14 skip compiling under any other dispatch mode): it only
+        answers data-dependent values, which a compiled region's graph ops reach it for when they run."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         try:
