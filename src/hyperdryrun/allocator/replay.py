@@ -9,7 +9,7 @@ It reads only events, so it runs on a dry run's blocks and on ingested real trac
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from hyperdryrun.allocator.model import CachingAllocatorModel, OutOfMemory, Segment
@@ -59,21 +59,36 @@ def events_from_blocks(blocks: Iterable[Block]) -> list[AllocatorEvent]:
     streams it is used on its ``use_streams`` attribute, where blocks have them (default: stream 0, no others).
     Zero-byte blocks are skipped: the CUDA allocator hands out nothing for them.
     """
+    keyed = _keyed_events(blocks)
+    keyed.sort(key=_key)
+    return [e for _, e in keyed]
+
+
+def _key(keyed: tuple[tuple[int, int, int], AllocatorEvent]) -> tuple[int, int, int]:
+    return keyed[0]
+
+
+def _free_event(b: Block, task: int) -> tuple[tuple[int, int, int], AllocatorEvent]:
+    uses = frozenset(getattr(b, "use_streams", None) or ())
+    return (task, 0, b.id), AllocatorEvent("free", b.id, task=task, use_streams=uses)
+
+
+def _keyed_events(blocks: Iterable[Block]) -> list[tuple[tuple[int, int, int], AllocatorEvent]]:
+    """:func:`events_from_blocks`'s events, each with its sort key, unsorted."""
     keyed: list[tuple[tuple[int, int, int], AllocatorEvent]] = []
+    append = keyed.append
+    init = Phase.INITIALIZATION
     for b in blocks:
         if b.requested <= 0:
             continue
         stream = getattr(b, "stream", 0) or 0
-        before_step = b.phase == Phase.INITIALIZATION
         alloc = AllocatorEvent("alloc", b.id, size=b.requested, stream=stream, task=b.start)
-        keyed.append(((-1 if before_step else b.start, 1, b.id), alloc))
+        append(((-1 if b.phase == init else b.start, 1, b.id), alloc))
         if b.end != PERSISTENT_END:
             if b.end <= b.start:
                 raise AllocatorEventError(f"block {b.id}: end must be after start {b.start} (got {b.end})")
-            uses = frozenset(getattr(b, "use_streams", None) or ())
-            keyed.append(((b.end, 0, b.id), AllocatorEvent("free", b.id, task=b.end, use_streams=uses)))
-    keyed.sort(key=lambda ke: ke[0])
-    return [e for _, e in keyed]
+            append(_free_event(b, b.end))
+    return keyed
 
 
 def steady_state_events(
@@ -99,13 +114,25 @@ def steady_state_events(
     last = max((b.end for b in step if b.end != PERSISTENT_END), default=0)
     last = max([last, *(b.start + 1 for b in step), *(t + 1 for _, t in made)])
     # Step 1 frees what it would keep (step 2 starts with the blocks alive before it, not with these), and its
-    # uses on other streams have completed when step 2 starts: its blocks' ids and tasks can be step 2's.
-    step_one = [replace(b, end=last) if b.end == PERSISTENT_END else b for b in step]
-    step_one += [replace(b, start=t, phase=Phase.FORWARD) for b, t in made]
+    # uses on other streams have completed when step 2 starts: its blocks' ids and tasks can be step 2's. So step
+    # 1's events are step 2's (the same immutable objects, made once), plus a free at its end for each persistent
+    # block and the allocation (and any free) of each block step 1 made.
+    keyed_step = _keyed_events(step)
+    keyed_one = keyed_step + [_free_event(b, last) for b in step if b.end == PERSISTENT_END]
+    for b, t in made:
+        alloc = AllocatorEvent("alloc", b.id, size=b.requested, stream=getattr(b, "stream", 0) or 0, task=t)
+        keyed_one.append(((t, 1, b.id), alloc))
+        if b.end != PERSISTENT_END:
+            if b.end <= t:
+                raise AllocatorEventError(f"block {b.id}: end must be after start {t} (got {b.end})")
+            keyed_one.append(_free_event(b, b.end))
+    keyed_one.sort(key=_key)
+    keyed_step.sort(key=_key)
     events = [AllocatorEvent("alloc", b.id, size=b.requested, stream=b.stream, task=0) for b in before]
-    events += [*events_from_blocks(step_one), AllocatorEvent("sync", -1, task=last)]
+    events += [e for _, e in keyed_one]
+    events.append(AllocatorEvent("sync", -1, task=last))
     start = len(events)
-    return events + events_from_blocks(step), start
+    return events + [e for _, e in keyed_step], start
 
 
 @dataclass(frozen=True)

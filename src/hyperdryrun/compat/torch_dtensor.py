@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from hyperdryrun.patches import Patch
 
 
@@ -87,12 +89,27 @@ def clear_caches() -> None:
     """torch 2.13 DTensor caches sharding decisions keyed by DeviceMesh, whose equality ignores the process groups:
     after one world is destroyed, the next world's equal-looking mesh would get specs naming the old, dead groups
     ("Could not resolve the process group registered under the name ..."). The world clears them on entry and
-    exit (``_sharding_prop.py``, ``_redistribute.py``, ``debug/__init__.py``)."""
+    exit (``_sharding_prop.py``, ``_redistribute.py``, ``debug/__init__.py``).
+
+    ``debug._clear_sharding_prop_cache`` is two calls, made here directly where the release has both: importing
+    ``torch.distributed.tensor.debug`` imports its ``CommDebugMode``, hence ``torch.distributed._tools`` and with it
+    ``torch._inductor``, ``torch._dynamo`` and triton (about a third of a second of CPU for a command that uses
+    none of them)."""
+    from torch.distributed.tensor._api import DTensor
     from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-    _clear_sharding_prop_cache()  # the Python LRU cache and the C++ fast path's
+    python_cache = getattr(
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None
+    )
+    fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if python_cache is not None and fast_path is not None:
+        python_cache()  # debug._clear_python_sharding_prop_cache
+        fast_path()  # debug._clear_fast_path_sharding_prop_cache
+    else:  # another release: its own debug helper clears whatever caches it has
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()  # the Python LRU cache and the C++ fast path's
     ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
     clear_redistribute_planner_cache()
 

@@ -76,6 +76,10 @@ class StackTable:
         self._ids: dict[tuple, int] = {(): 0}
         self._frames: list[tuple[Frame, ...]] = [()]
         self._filtered: dict[str, bool] = {}
+        self._kept: dict[CodeType, bool] = {}
+        """Code object -> whether its frames are kept: one lookup per frame walked (stacks run ~100 frames deep
+        through torch); answered again when :func:`step_code` registered more code since."""
+        self._step_codes = len(_STEP_CODE)
 
     def _keep(self, filename: str) -> bool:
         keep = self._filtered.get(filename)
@@ -83,15 +87,26 @@ class StackTable:
             keep = self._filtered[filename] = user_frame(filename)
         return keep
 
+    def _keep_code(self, code: CodeType) -> bool:
+        keep = self._kept[code] = self._keep(code.co_filename) or code in _STEP_CODE
+        return keep
+
     def capture(self, frame: FrameType | None = None) -> int:
         f = frame if frame is not None else sys._getframe(1)
-        key = []
-        keep = self._keep
-        step = _STEP_CODE
-        while f is not None and len(key) < MAX_FRAMES:
+        key: list[tuple[CodeType, int]] = []
+        if self._step_codes != len(_STEP_CODE):
+            self._kept.clear()
+            self._step_codes = len(_STEP_CODE)
+        kept = self._kept
+        while f is not None:
             code = f.f_code
-            if keep(code.co_filename) or code in step:
+            keep = kept.get(code)
+            if keep is None:
+                keep = self._keep_code(code)
+            if keep:
                 key.append((code, f.f_lineno))
+                if len(key) == MAX_FRAMES:
+                    break
             f = f.f_back
         tkey = tuple(key)
         sid = self._ids.get(tkey)

@@ -55,6 +55,12 @@ METADATA_OPS = {
     _aten._has_compatible_shallow_copy_type.default,
 }
 """Ops that only read a tensor's metadata: never an allocation or a use of its memory, so never a task."""
+_DEVICE_OP_ID = id(torch.ops.prim.device.default)
+"""``id()`` of ``prim.device`` (kept alive in ``METADATA_OPS``), about 60 % of the ops that reach the fake mode:
+the dispatch path hands it straight to the fake mode, which answers it from its own table without dispatching
+anything (torch 2.11-2.14 ``_DISPATCH_META_HANDLERS``), so no op runs inside it and the tracker, which skips
+metadata ops, has nothing to see. ``id(func) ==`` is one C-level compare where a dict or set lookup calls
+``OpOverload.__hash__`` in Python."""
 RESIZE_OP = "storage.resize_"
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 MATMUL_OPS = frozenset(
@@ -118,7 +124,7 @@ class MemoryTracker:
         self._next_addr = ADDRESS_BASE
         self._depth = 0
         self._pending: list[Block] = []
-        self._view_or_meta: dict[Any, bool] = {}
+        self._view_or_meta: dict[int, tuple[Any, bool]] = {}
         self._optimizer_depth = 0
         self._recompute_depth = 0
         self._default_category: Category | None = None
@@ -137,7 +143,7 @@ class MemoryTracker:
         """(thread, stream) -> the first task that ran a cuBLAS matmul there."""
         self.process_groups: dict[str, None] = {}
         """Names of the process groups the step's collectives and point-to-point ops ran on, in first-use order."""
-        self._group_arg: dict[Any, int] = {}
+        self._group_arg: dict[int, tuple[Any, int]] = {}
         self._node_stack: dict[int, int] = {}
         """Sequence number of an autograd node made in forward -> the stack of the forward op it belongs to: the
         first op dispatched after the node was made (the op whose autograd kernel made it; for a node made without
@@ -261,19 +267,19 @@ class MemoryTracker:
                 self._flush()
 
     def _skip(self, func: Any) -> bool:
-        skip = self._view_or_meta.get(func)
-        if skip is None:
-            # A view op never allocates, so it is skipped; but a composite op whose schema *may* alias (``to``,
-            # ``contiguous``, ``reshape``) reaches the mode undecomposed below autograd (e.g. torch 2.13's context
-            # parallel ring) and then copies: it is tracked, and the input-storage check keeps its aliasing
-            # outputs from counting.
-            skip = func in METADATA_OPS or (
-                bool(getattr(func, "is_view", False))
-                and not torch._C._dispatch_has_kernel_for_dispatch_key(
-                    func.name(), "CompositeImplicitAutograd"
-                )
-            )
-            self._view_or_meta[func] = skip
+        # keyed by id(func): OpOverload.__hash__ is Python code; the value keeps func alive, so its id stays its own
+        found = self._view_or_meta.get(id(func))
+        if found is not None:
+            return found[1]
+        # A view op never allocates, so it is skipped; but a composite op whose schema *may* alias (``to``,
+        # ``contiguous``, ``reshape``) reaches the mode undecomposed below autograd (e.g. torch 2.13's context
+        # parallel ring) and then copies: it is tracked, and the input-storage check keeps its aliasing
+        # outputs from counting.
+        skip = func in METADATA_OPS or (
+            bool(getattr(func, "is_view", False))
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+        )
+        self._view_or_meta[id(func)] = (func, skip)
         return skip
 
     def _on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -284,9 +290,10 @@ class MemoryTracker:
             return
         if func is _WAIT_TENSOR and self._alias(args[0], out):
             return
-        group_arg = self._group_arg.get(func)
-        if group_arg is None:
-            group_arg = self._group_arg[func] = _group_arg_index(func)
+        found = self._group_arg.get(id(func))
+        if found is None:
+            found = self._group_arg[id(func)] = (func, _group_arg_index(func))
+        group_arg = found[1]
         if group_arg >= 0 and group_arg < len(args):
             self._note_group(args[group_arg])
         live = self._live
@@ -638,7 +645,7 @@ class TrackingFakeTensorMode(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         tracker = self.tracker
-        if tracker is None or not tracker.active:
+        if tracker is None or not tracker.active or id(func) == _DEVICE_OP_ID:
             return super().__torch_dispatch__(func, types, args, kwargs)
         tracker.begin_op()
         out = None
