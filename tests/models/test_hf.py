@@ -270,3 +270,114 @@ def test_a_hugging_face_job_names_the_transformers_it_modelled_and_a_built_in_on
     assert hf["transformers_version"] == transformers.__version__ and hf["torch_version"] == torch.__version__
     built_in = job_metadata(build_config({"model": {"name": "llama-tiny"}, "training": {"seq_len": 64}}))
     assert "transformers_version" not in built_in
+
+
+# --- transformers' packed-sequence check in a user's own step (simulate / measure, not the recipe) --------------
+VOCAB, ROWS, SEQ = 256, 2, 64
+
+
+def _tiny_hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
+
+
+def _random_init(model) -> None:
+    for p in model.parameters():
+        p.normal_(0, 0.02)
+
+
+def _own_loss_step(packed_rule: bool | None):
+    """An HF user's step: ``model(input_ids=..., labels=..., [position_ids=...]).loss.backward()``, AdamW; with a
+    ``branch`` value rule for ``hf.packed_sequences`` when ``packed_rule`` is not None."""
+    import torch
+
+    from hyperdryrun.world.values import ValueRule, ValueRules, use_rules
+
+    def step(model, optimizer, batches):
+        rules = (
+            []
+            if packed_rule is None
+            else [ValueRule(op="hf.packed_sequences", handler="branch", value=packed_rule)]
+        )
+        with use_rules(ValueRules(rules), root=model):
+            for ids, positions in batches:
+                model(input_ids=ids, labels=ids, position_ids=positions).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True)
+
+
+def _batch(packed: bool):
+    import torch
+
+    def batch(i, device):
+        ids = torch.randint(0, VOCAB, (ROWS, SEQ), device=device)
+        if not packed:
+            return ids, None  # the model makes its own positions: arange(SEQ)
+        # two sequences of SEQ/2 tokens packed in each row: positions restart at SEQ/2
+        return ids, torch.arange(SEQ // 2, device=device).repeat(ROWS, 2)
+
+    return batch
+
+
+def _dry_and_measured(packed_batch: bool, packed_rule: bool | None):
+    from hyperdryrun import simulate
+    from hyperdryrun.measure.step import measure
+
+    step, adamw = _own_loss_step(packed_rule)
+    args = {"step_fn": step, "optimizer_fn": adamw}
+    dry = simulate(_tiny_hf_llama, _batch(packed_batch), target_device="cpu", capture_stacks=False, **args)
+    measured = measure(
+        _tiny_hf_llama, _batch(packed_batch), init_fn=_random_init, capture_stacks=False, **args
+    )
+    return dry, measured
+
+
+def _mask_and_repeat_blocks(trace) -> list[tuple[str, int]]:
+    """(op, bytes) of the forward's causal-mask blocks (S x S bool per row) and repeated key/value heads."""
+    mask = ROWS * SEQ * SEQ
+    kv = ROWS * 4 * SEQ * (64 // 4) * 4  # fp32 key or value with the query's 4 heads
+    return [
+        (b.op, b.size)
+        for b in trace.blocks
+        if str(b.phase) == "forward" and b.size in (mask, kv) and b.op in ("bitwise_and", "clone")
+    ]
+
+
+def test_hf_own_step_on_the_models_positions_equals_real_cpu_execution_no_mask_no_repeated_heads():
+    """A user's own HF step (the API, not the recipe; row h1 of the GPU record is one): the real run reads the
+    positions (arange per row), finds one sequence per row, and runs SDPA with is_causal, no mask and enable_gqa.
+    The dry run cannot read fake positions; it answers as the real run does, and the step is equal to the byte."""
+    dry, measured = _dry_and_measured(packed_batch=False, packed_rule=None)
+    assert measured.metadata["kernel_scratch"]["peak_bytes_excluding"] == dry.peak
+    dry_phases = {k: p["peak_bytes"] for k, p in phases(dry).items()}
+    assert measured.metadata["kernel_scratch"]["phase_peak_bytes_excluding"] == dry_phases
+    # No S x S mask and no key/value heads repeated to the query's 4 (2 layers x 2 such copies before the fix).
+    assert _mask_and_repeat_blocks(dry) == [] == _mask_and_repeat_blocks(measured)
+
+
+def test_hf_packed_positions_with_the_packed_rule_equal_real_cpu_execution():
+    """Positions that restart inside a row: the real run finds packed sequences and materialises the mask (and
+    then repeats the key/value heads, as SDPA gets a mask). A ``branch`` rule ``hf.packed_sequences: true`` makes
+    the dry run take that path, equal to the byte; without it the dry run assumes one sequence per row."""
+    dry, measured = _dry_and_measured(packed_batch=True, packed_rule=True)
+    assert measured.metadata["kernel_scratch"]["peak_bytes_excluding"] == dry.peak
+    blocks = _mask_and_repeat_blocks(measured)
+    assert ("bitwise_and", ROWS * SEQ * SEQ) in blocks and ("clone", ROWS * 4 * SEQ * 16 * 4) in blocks
+    assert _mask_and_repeat_blocks(dry) == blocks
+    unpacked, _ = _dry_and_measured(packed_batch=True, packed_rule=False)
+    assert _mask_and_repeat_blocks(unpacked) == []
+    assert unpacked.peak < dry.peak

@@ -134,3 +134,18 @@ def test_an_existing_process_group_is_refused_not_replaced():
         assert dist.is_initialized() and dist.get_world_size() == 2
     finally:
         dist.destroy_process_group()
+
+
+def test_transformers_packed_sequence_check_is_answered_only_inside_fake():
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    outside = masking_utils.find_packed_sequence_indices
+    with SimulatedWorld(world_size=1) as world:
+        assert masking_utils.find_packed_sequence_indices is outside
+        with world.fake():
+            patched = masking_utils.find_packed_sequence_indices
+            assert patched is not outside
+            assert patched(torch.arange(8).view(1, 8)) is None  # one sequence per row on fake positions
+        # real positions run transformers' own check: two sequences packed in a row
+        assert patched(torch.tensor([[0, 1, 2, 0, 1]])).tolist() == [[0, 0, 0, 1, 1]]
+        assert masking_utils.find_packed_sequence_indices is outside
+    assert masking_utils.find_packed_sequence_indices is outside

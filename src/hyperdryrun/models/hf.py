@@ -8,14 +8,10 @@ parallelized from outside by :mod:`hyperdryrun.parallel.hf`. transformers is an 
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from hyperdryrun.compat.transformers import one_sequence_per_row_patches
-from hyperdryrun.patches import Patch, PatchSet
 
 if TYPE_CHECKING:  # torch is imported where a model is built: the job config reads this module without it
     import torch
@@ -358,27 +354,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def hf_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of an HF causal LM for ``tokens`` (no KV cache in training)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    with PatchSet(_one_sequence_per_row()) if isinstance(tokens, FakeTensor) else contextlib.nullcontext():
-        return model(input_ids=tokens, use_cache=False).logits
+    """Logits of an HF causal LM for ``tokens`` (no KV cache in training). On fake tokens the world answers
+    transformers' packed-sequence check (:func:`hyperdryrun.compat.transformers.packed_sequence_patches`)."""
+    return model(input_ids=tokens, use_cache=False).logits
 
 
 def hf_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The model's own loss, as HF users train: ``model(input_ids=tokens, labels=labels).loss``, which runs the
     model's ``loss_function`` (causal LMs: transformers' ``ForCausalLMLoss``: the logits upcast to fp32, the
     labels padded with -100 and shifted by one, then ``cross_entropy`` with ``ignore_index=-100``)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     tokens, labels = batch
-    with PatchSet(_one_sequence_per_row()) if isinstance(tokens, FakeTensor) else contextlib.nullcontext():
-        return model(input_ids=tokens, labels=labels, use_cache=False).loss
-
-
-def _one_sequence_per_row() -> list[Patch]:
-    """One sequence per row on fake tokens (:func:`hyperdryrun.compat.transformers.one_sequence_per_row_patches`)."""
-    return one_sequence_per_row_patches()
+    return model(input_ids=tokens, labels=labels, use_cache=False).loss
 
 
 def hf_pipeline_cut(model: nn.Module, layers: range, embedding: bool, head: bool) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hyperdryrun.compat import process, torch_dtensor
+from hyperdryrun.compat.transformers import PACKED_SEQUENCES_OP, packed_sequence_patches
 from hyperdryrun.trace.blocks import ALIGNMENT
 from hyperdryrun.trace.tracker import MemoryTracker, TrackingFakeTensorMode
 from hyperdryrun.world.autocast import CudaAutocast
@@ -155,9 +156,11 @@ class SimulatedWorld:
 
     @contextlib.contextmanager
     def fake(self) -> Iterator[TrackingFakeTensorMode]:
-        """Run the body with fake tensors on the simulation device."""
+        """Run the body with fake tensors on the simulation device. Library code that reads tensor values to choose
+        its path gets a real run's answer (:func:`~hyperdryrun.compat.transformers.packed_sequence_patches`: one
+        sequence per row unless a ``branch`` value rule for ``hf.packed_sequences`` says otherwise)."""
         assert self.fake_mode is not None, "enter the world first"
-        with self.fake_mode:
+        with self.fake_mode, PatchSet(packed_sequence_patches(_packed_sequences)):
             yield self.fake_mode
 
     def track(self, capture_stacks: bool = True) -> MemoryTracker:
@@ -181,6 +184,16 @@ class SimulatedWorld:
             )
         out += self.compiled.limitations if self.compiled is not None else []
         return out
+
+
+def _packed_sequences() -> bool:
+    """Whether the active value rules say the batch packs several sequences per row (a ``branch`` rule for
+    ``hf.packed_sequences`` matching the running module); no rule: one sequence per row."""
+    from hyperdryrun.world.values import _current_module, active_rules
+
+    rules = active_rules()
+    rule = rules.lookup(_current_module(), PACKED_SEQUENCES_OP) if rules is not None else None
+    return rule is not None and rule.handler == "branch" and rule.value is True
 
 
 def _save_globals() -> dict[str, Any]:
