@@ -745,3 +745,263 @@ def test_12_torch_warnings_of_the_step_go_to_the_limitations_once_with_their_cou
     assert len(warned) == 1 and warned[0].startswith(
         "warned during the simulated step (1 time): UserWarning:"
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 30: the second round (numbers are the issue's items)
+# ---------------------------------------------------------------------------------------------------------
+
+HYPERDRYRUN = [sys.executable, "-m", "hyperdryrun"]
+
+
+def hdr(args: list[str], tmp_path: Path, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """``hyperdryrun ARGS`` as a new user runs it: a process of its own, in ``tmp_path``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *LIMIT_VARS):
+        env.pop(var, None)
+    env.update(kwargs.pop("env", {}))
+    return subprocess.run(
+        [*kwargs.pop("wrap", []), *HYPERDRYRUN, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def a_run(tmp_path_factory) -> Path:
+    """One real ``run --model llama-tiny`` output directory (made once for this module)."""
+    out = tmp_path_factory.mktemp("a_run") / "out"
+    proc = hdr(["run", *T, "--quiet", "--output-dir", str(out)], out.parent)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture
+def good_run(a_run, tmp_path) -> tuple[Path, dict[str, bytes]]:
+    """A copy of :func:`a_run` under ``tmp_path/out``, and its files' bytes (what must stay)."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(a_run, out)
+    return out, {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+G = "out/rank_0/rank_0_memory.json"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["snapshot", G, "-o", G],
+        ["snapshot", G, "-o", "out/rank_0/rank_0_memory.csv"],
+        ["snapshot", G, "-o", "out/rank_0/../rank_0/rank_0_memory.csv"],
+        ["snapshot", "out/rank_0/rank_0_memory.csv", "-o", G],
+        ["snapshot", G, "-o", "link.json"],
+        ["snapshot", G, "-o", "hard.json"],
+        ["report", G, "--html", G],
+        ["report", "out", "--html", "out/rank_0/rank_0_memory.csv"],
+        ["report", "other.json", "--compare", "out", "--html", "link.json"],
+        ["report", "out", "--html", "hard.json"],
+    ],
+    ids=["snap-self", "snap-csv", "snap-dotdot", "snap-from-csv", "snap-symlink", "snap-hardlink", "report-self",
+         "report-dir-csv", "report-compare-link", "report-hardlink"],
+)  # fmt: skip
+def test_30_1_an_output_never_replaces_its_own_input(argv, good_run, tmp_path, capsys):
+    out, files = good_run
+    (tmp_path / "link.json").symlink_to(out / "rank_0" / "rank_0_memory.json")
+    os.link(out / "rank_0" / "rank_0_memory.json", tmp_path / "hard.json")
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, "is an input of this command", "name another file")
+    assert unchanged(files)
+
+
+def test_30_1_fit_outputs_are_not_its_config(tmp_path, capsys, no_simulation):
+    (tmp_path / "job.yaml").write_text("model: {name: llama-tiny}\n")
+    before = (tmp_path / "job.yaml").read_bytes()
+    for flag in ("--json", "--csv"):
+        rc, _, err = cli(
+            ["fit", *FIT[2:], "--world-size", "2", "--config", "job.yaml", flag, "./job.yaml"], capsys
+        )
+        assert_bad_input(rc, err, flag, "job.yaml", "is an input")
+    assert (tmp_path / "job.yaml").read_bytes() == before
+
+
+def test_30_1_an_output_beside_the_input_is_still_fine(good_run, tmp_path, capsys):
+    rc, out, err = cli(["snapshot", G, "-o", "out/rank_0/snap.pickle"], capsys)
+    assert rc == 0, err
+    assert pickle.loads((tmp_path / "out/rank_0/snap.pickle").read_bytes())["segments"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["run", *T, "--output-dir", "a" * 300], "--output-dir"),
+        (["fit", *FIT[2:], "--world-size", "2", "--json", "j" * 256 + ".json"], "--json"),
+        (["fit", *FIT[2:], "--world-size", "2", "--csv", "x/" * 2100 + "c.csv"], "--csv"),
+        (["snapshot", G, "-o", "s" * 300], "--output"),
+        (["fit", *FIT[2:], "--world-size", "2", "--json", "-"], "--json"),
+    ],
+    ids=["output-dir", "fit-json", "fit-csv-path", "snapshot", "fit-json-dash"],
+)
+def test_30_3_an_output_name_the_file_system_cannot_take_is_bad_input(
+    argv, flag, good_run, capsys, no_simulation
+):
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, flag)
+    assert len(err) < 400
+    assert not Path("-").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["run", *T, "--output-dir", "D/out"], "--output-dir"),
+        (["fit", *FIT[2:-1], "--world-size", "1", "--json", "D/x.json"], "--json"),
+        (["fit", *FIT[2:-1], "--world-size", "1", "--cache-dir", "D/c"], "--cache-dir"),
+    ],
+    ids=["output-dir", "fit-json", "fit-cache-dir"],
+)
+def test_30_3_a_directory_without_permission_is_bad_input_naming_the_flag(args, flag, tmp_path):
+    """As a user that is not root (root may write anywhere): a process of its own, run as nobody (util-linux's
+    setpriv) when the tests run as root."""
+    import shutil
+
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("runs as root without setpriv to drop to another user")
+        kwargs = {"wrap": ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]}
+        tmp_path.chmod(0o777)
+        for p in tmp_path.parents:
+            if p == Path(tmp_path.anchor):
+                break
+            p.chmod(p.stat().st_mode | 0o005)  # nobody may reach tmp_path
+    else:
+        kwargs = {}
+    (tmp_path / "D").mkdir()
+    (tmp_path / "D").chmod(0)
+    proc = hdr(args, tmp_path, **kwargs)
+    assert_bad_input(proc.returncode, proc.stderr, flag, "Permission denied")
+
+
+# item 8: closed and full standard streams (a process of its own: the shell closes them)
+
+
+@pytest.mark.parametrize(
+    ("args", "redirect", "code"),
+    [
+        (["--version"], ">&-", 0),
+        (["run", "--help"], ">&-", 0),
+        (["compare", G, G], ">&-", 0),
+        (["run", *T, "--quiet", "--output-dir", "out2"], ">&-", 0),
+        (["run", *T, "--output-dir", "out2"], "2>&- >&- <&-", 0),
+        (["run", "--model", "potato"], "2>/dev/full", 2),
+        (["--version"], ">/dev/full", 2),
+        (["run", *T, "--output-dir", "out2"], ">/dev/full", 2),
+    ],
+    ids=[
+        "version",
+        "help",
+        "compare",
+        "run",
+        "all-closed",
+        "bad-input-stderr-full",
+        "version-full",
+        "run-full",
+    ],
+)
+def test_30_8_closed_or_full_standard_streams(args, redirect, code, good_run, tmp_path):
+    import shlex
+
+    line = " ".join(map(shlex.quote, [*HYPERDRYRUN, *args])) + " " + redirect
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run(
+        ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr
+    if "2>" not in redirect and code == 2:
+        assert_bad_input(proc.returncode, proc.stderr, "stdout", "No space left on device")
+    if "out2" in args:
+        assert (tmp_path / "out2" / "rank_0" / "rank_0_memory.json").is_file()
+    assert not any(p.name.isdigit() for p in tmp_path.iterdir())  # no stray file took a closed descriptor
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (
+            ["--ac", "none", "--ac-selective", "op"],
+            "training.ac_selective='op' has no effect with training.ac='none'",
+        ),
+        (
+            ["--ac", "full", "--ac-selective", "op"],
+            "training.ac_selective='op' has no effect with training.ac='full'",
+        ),
+        (["--model", "moe-tiny", "--hot-expert", "0"], "values.hot_expert=0 has no effect"),
+        (["--model", "moe-tiny", "--skew", "2.0"], "values.skew=2.0 has no effect"),
+        (["--model", "moe-tiny", "--routing", "hotspot", "--routing-counts", "1,2"], "values.counts=[1, 2]"),
+        (["--routing", "balanced"], "values.routing='balanced' has no effect: 'llama-tiny' is a dense model"),
+    ],
+    ids=["ac-none", "ac-full", "hot-expert-0", "skew-2", "counts", "routing-dense"],
+)
+def test_30_9_a_field_given_but_ignored_is_refused_even_at_its_default(argv, needle, capsys, no_simulation):
+    rc, _, err = cli(["run", *T, *argv], capsys)
+    assert_bad_input(rc, err, needle)
+
+
+def test_30_9_the_yaml_form_too_and_a_dump_still_rebuilds(tmp_path, capsys, no_simulation):
+    from hyperdryrun.config import build_config
+
+    rc, err = run_config(
+        "model: {name: llama-tiny}\ntraining: {ac: full, ac_selective: op}\n", capsys, tmp_path
+    )
+    assert_bad_input(rc, err, "training.ac_selective='op' has no effect")
+    for data in (
+        {"model": {"name": "llama-tiny"}},
+        {"model": {"name": "moe-tiny"}},
+        {"model": {"name": "moe-tiny"}, "values": {"routing": "hotspot", "hot_expert": 0, "skew": 2.0}},
+        {"model": {"name": "llama-tiny"}, "training": {"ac": "selective", "ac_selective": "op"}},
+    ):
+        cfg = build_config(data)
+        assert build_config(cfg.model_dump()) == cfg  # the runner's workers rebuild a config from its dump
+        assert build_config(json.loads(cfg.model_dump_json())) == cfg
+
+
+BIG = "1" + "0" * 400
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["run", *T, "--world-size", BIG], ["--world-size", "16777216", "about 401 digits"]),
+        (["run", *T, "--device-memory-gib", "1e300"], ["--device-memory-gib", "1048576", "1e+300"]),
+        (["run", *T, "--gpu", "h100-80gb", "--margin-gib", "1e308"], ["--margin-gib", "1e+308"]),
+        (["run", *T, "--gpu", "h100-80gb", "--margin-gib", "80"], ["--margin-gib 80", "less than the capacity"]),
+        (["run", *T, "--margin-gib", "1"], ["margin_gib=1 has no effect without a capacity"]),
+        (["run", *T, "--target-device", "cpu", "--gpu", "h100-80gb"], ["cuda.gpu='h100-80gb' has no effect"]),
+        (["run", *T, "--target-device", "cpu", "--alloc-conf", "expandable_segments:True"], ["cuda.alloc_conf"]),
+        (["fit", *FIT[2:], "--world-size", "1", "--margin-gib", "1e308"], ["--margin-gib", "1,048,576"]),
+        (["fit", *FIT[2:], "--world-size", "1", "--device-memory-gib", "1e300"], ["--device-memory-gib", "1e+300"]),
+        (["fit", *FIT[2:-3], "--world-size", "1", "--global-batch-tokens", str(2**64)], ["--global-batch-tokens"]),
+        (["fit", *FIT[2:], "--world-size", "1", "--micro-batch-size", "1" + "0" * 23], ["--micro-batch-size"]),
+        (["fit", *FIT[2:], "--world-size", "1", "--tp", "1" + "0" * 23], ["--tp", "16,777,216"]),
+        (["fit", *FIT[2:], "--world-size", "100000"], ["--world-size 100000", "65536", "HYPERDRYRUN_MAX_WORLD_SIZE"]),
+    ],
+    ids=["world-size", "device-gib", "margin-gib", "margin-over-capacity", "margin-no-capacity", "gpu-on-cpu",
+         "alloc-conf-on-cpu", "fit-margin", "fit-device-gib", "fit-tokens", "fit-mbs", "fit-tp", "fit-world"],
+)  # fmt: skip
+def test_30_4_huge_numbers_are_bad_input_naming_the_flag(argv, needles, capsys, no_simulation):
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, *needles)
+    assert len(err) < 300  # a 401-digit number is not echoed whole
+
+
+def test_30_4_a_yaml_number_past_pythons_digit_limit(capsys, tmp_path, no_simulation):
+    rc, err = run_config(
+        "model: {name: llama-tiny}\ntraining: {seq_len: " + "9" * 5000 + "}\n", capsys, tmp_path
+    )
+    assert_bad_input(rc, err, "--config", "job.yaml", "an integer of more than 4300 digits")
