@@ -1011,3 +1011,18 @@ def test_30_12_fit_executor_ray_without_ray_is_bad_input(capsys, monkeypatch, no
     monkeypatch.setitem(sys.modules, "ray", None)  # ``import ray`` raises ImportError, as without it installed
     rc, _, err = cli(["fit", *FIT[2:], "--world-size", "2", "--executor", "ray"], capsys)
     assert_bad_input(rc, err, "--executor ray needs Ray", "pip install 'hyperdryrun[ray]'")
+
+
+def test_30_13_measure_keeps_the_terminal_clean_as_run_does(tmp_path):
+    """Kineto's C++ ``USDT: ... profiler_start/stop`` lines and FSDP2's FSDPEmbedding UserWarning went to stderr."""
+    proc = hdr(["measure", *T, "--world-size", "2", "--tp", "2", "--quiet", "--output-dir", "out"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    limitations = json.loads((tmp_path / "out/rank_0/rank_0_memory.json").read_text())["limitations"]
+    assert any("FSDPEmbedding" in line and line.startswith("warned during") for line in limitations)
+
+
+def test_30_13_measure_refuses_a_bad_alloc_conf_variable_as_the_flag(tmp_path):
+    proc = hdr(["measure", *T, "--output-dir", "out"], tmp_path, env={"PYTORCH_CUDA_ALLOC_CONF": "bogus:1"})
+    assert_bad_input(proc.returncode, proc.stderr, "$PYTORCH_CUDA_ALLOC_CONF", "'bogus'")
+    assert not (tmp_path / "out").exists()
