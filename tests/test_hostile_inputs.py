@@ -1008,7 +1008,9 @@ def test_30_4_a_yaml_number_past_pythons_digit_limit(capsys, tmp_path, no_simula
 
 
 def test_30_12_fit_executor_ray_without_ray_is_bad_input(capsys, monkeypatch, no_simulation):
-    monkeypatch.setitem(sys.modules, "ray", None)  # ``import ray`` raises ImportError, as without it installed
+    monkeypatch.setitem(
+        sys.modules, "ray", None
+    )  # ``import ray`` raises ImportError, as without it installed
     rc, _, err = cli(["fit", *FIT[2:], "--world-size", "2", "--executor", "ray"], capsys)
     assert_bad_input(rc, err, "--executor ray needs Ray", "pip install 'hyperdryrun[ray]'")
 
