@@ -9,6 +9,7 @@ import csv
 import gzip
 import io
 import json
+import math
 import os
 import pickle
 import resource
@@ -1028,3 +1029,42 @@ def test_30_13_measure_refuses_a_bad_alloc_conf_variable_as_the_flag(tmp_path):
     proc = hdr(["measure", *T, "--output-dir", "out"], tmp_path, env={"PYTORCH_CUDA_ALLOC_CONF": "bogus:1"})
     assert_bad_input(proc.returncode, proc.stderr, "$PYTORCH_CUDA_ALLOC_CONF", "'bogus'")
     assert not (tmp_path / "out").exists()
+
+
+def bert_config(tmp_path: Path) -> str:
+    d = tmp_path / "bert"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["BertModel"], "model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 128,
+    }))  # fmt: skip
+    return f"hf:{d}"
+
+
+@pytest.mark.parametrize(
+    ("make", "needles"),
+    [
+        (lambda p: hf_config(p, rms_norm_eps=math.nan), ["field rms_norm_eps", "finite number"]),
+        (
+            lambda p: hf_config(p, rope_scaling={"rope_type": "llama3"}),
+            ["transformers cannot build", "factor"],
+        ),
+        (bert_config, ["field model_type", "BertLMHeadModel", "'bert'", "not 'model.layers'"]),
+    ],
+    ids=["nan", "rope-scaling-keys", "bert"],
+)
+@pytest.mark.parametrize("command", ["run", "fit"])
+def test_30_5_a_config_transformers_cannot_build_as_a_decoder_is_bad_input_and_keeps_the_report(
+    command, make, needles, tmp_path, capsys, no_simulation
+):
+    pytest.importorskip("transformers")
+    model = make(tmp_path)
+    files = good_report(tmp_path / "out")
+    argv = (
+        ["run", "--model", model, "--seq-len", "64", "--output-dir", "out"]
+        if command == "run"
+        else ["fit", "--model", model, *FIT[2:], "--world-size", "2"]
+    )
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, "config", *needles)
+    assert unchanged(files)
