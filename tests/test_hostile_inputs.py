@@ -1068,3 +1068,100 @@ def test_30_5_a_config_transformers_cannot_build_as_a_decoder_is_bad_input_and_k
     rc, _, err = cli(argv, capsys)
     assert_bad_input(rc, err, "config", *needles)
     assert unchanged(files)
+
+
+# items 2, 6, 7: the script contract (a user's mistake is the user's: exit 2 naming the callback and what it returned)
+
+SCRIPT = """
+import os, sys, torch
+from torch import nn
+def model_fn():
+    return "model" if os.environ.get("MODE", "") == "model_str" else nn.Linear(16, 16)
+def batch_fn(i, device):
+    return "batch" if os.environ.get("MODE", "") == "batch_str" else torch.randn(4, 16, device=device)
+def loss_fn(model, batch):
+    if os.environ.get("MODE", "").startswith("loss_exit"):
+        sys.exit(int(os.environ.get("MODE", "")[-1]))
+    if os.environ.get("MODE", "") == "print":
+        for _ in range(5000):
+            print("x" * 80)
+    return {"loss_none": None, "loss_float": 1.0, "loss_vec": model(batch).sum(0)}.get(os.environ.get("MODE", ""), model(batch).sum())
+def optimizer_fn(params):
+    return None if os.environ.get("MODE", "") == "opt_none" else torch.optim.SGD(params, lr=0.1)
+def hyperdryrun_job(launch):
+    if os.environ.get("MODE", "") == "job_exit0":
+        sys.exit(0)
+    job = dict(model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn)
+    if os.environ.get("MODE", "") == "mesh":
+        job["mesh_shape"] = (3, 5)
+    if os.environ.get("MODE", "") == "tpu":
+        job["target_device"] = "tpu"
+    return job
+if os.environ.get("MODE", "") == "kbi":
+    raise KeyboardInterrupt
+if os.environ.get("MODE", "") == "print_top":
+    for _ in range(5000):
+        print("line")
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "needles"),
+    [
+        ("model_str", ["model_fn() returned a str, not a torch.nn.Module"]),
+        ("batch_str", ["batch_fn(0, device) returned a str holding no tensor"]),
+        ("loss_none", ["loss_fn(model, batch) returned None, not a scalar"]),
+        ("loss_float", ["loss_fn(model, batch) returned a float"]),
+        ("loss_vec", ["loss_fn(model, batch) returned a tensor of shape [16]"]),
+        ("opt_none", ["optimizer_fn(params) returned None, not a torch.optim.Optimizer"]),
+        ("loss_exit0", ["sys.exit(0) was called by the job's own code"]),
+        ("loss_exit1", ["sys.exit(1) was called by the job's own code"]),
+        ("job_exit0", ["hyperdryrun_job(launch)", "called sys.exit(0)"]),
+        ("mesh", ["mesh_shape=(3, 5) has 15 ranks, world_size=1"]),
+        ("tpu", ["target_device='tpu'", "--target-device"]),
+    ],
+)
+def test_30_6_a_callbacks_mistake_is_bad_input_naming_it(mode, needles, tmp_path, capsys, monkeypatch):
+    """--in-process (sys.exit(0) there exited 0 with nothing done; sys.exit(1) read as an OOM)."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    monkeypatch.setenv("MODE", mode)
+    spec = str(tmp_path / "job.py")  # its own spec: a loaded script is cached by it in this process
+    rc, out, err = cli(["script", spec, "--in-process", "--quiet", "--output-dir", "out"], capsys)
+    assert_bad_input(rc, err, *needles)
+    assert "peak" not in out
+
+
+def test_30_6_the_same_in_a_child_process(tmp_path):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    for mode, needle in (
+        ("loss_exit0", "sys.exit(0)"),
+        ("loss_none", "returned None"),
+        ("mesh", "mesh_shape"),
+    ):
+        proc = hdr(["script", "job.py", "--quiet", "--output-dir", "out"], tmp_path, env={"MODE": mode})
+        assert_bad_input(proc.returncode, proc.stderr, needle)
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["child", "in-process"])
+def test_30_6_keyboard_interrupt_at_the_scripts_top_level_is_an_interrupt(in_process, tmp_path):
+    """As Python answers an uncaught KeyboardInterrupt: 130 and one line (it was exit 3 "KeyboardInterrupt:;")."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    extra = ["--in-process"] if in_process else []
+    proc = hdr(["script", "job.py", *extra, "--output-dir", "out"], tmp_path, env={"MODE": "kbi"})
+    assert proc.returncode == 130 and proc.stderr == "hyperdryrun: interrupted (SIGINT)\n", proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["print", "print_top"], ids=["in-loss-fn", "top-level"])
+@pytest.mark.parametrize("in_process", [False, True], ids=["child", "in-process"])
+def test_30_7_the_scripts_own_prints_into_a_closed_pipe_exit_141_quietly(mode, in_process, tmp_path):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MODE": mode}
+    extra = ["--in-process"] if in_process else []
+    proc = subprocess.Popen(
+        [*HYPERDRYRUN, "script", "job.py", *extra, "--output-dir", "out"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""

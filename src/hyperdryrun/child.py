@@ -10,6 +10,7 @@ child, the parent sees it die: :func:`run_in_child` returns the function's resul
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import signal
 import traceback
@@ -83,6 +84,12 @@ def run_in_child(fn: Callable[..., Any], *args: Any, start_method: str = "spawn"
     if kind == "ok":
         return payload
     if kind == "error":
+        if payload[0] == "BrokenPipeError":  # the child's prints met a closed stdout (``| head``): exit 141
+            raise BrokenPipeError(errno.EPIPE, payload[1])
+        if payload[0] == "KeyboardInterrupt":
+            # raised in the child (a Ctrl-C reaches it too, or the user's code raised it): as in this process,
+            # and as Python itself answers an uncaught one, interrupted (130), not an internal error
+            raise KeyboardInterrupt
         raise ChildFailed(*payload)
     code = proc.exitcode
     raise ChildDied(-code if code is not None and code < 0 else None, code)
