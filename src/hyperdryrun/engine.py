@@ -104,6 +104,11 @@ def checked_loss(loss: Any) -> torch.Tensor:
         raise user_code_error(
             f"loss_fn(model, batch) returned {_kind(loss)}, not a scalar floating-point tensor to call backward() on"
         )
+    if not loss.requires_grad:
+        raise user_code_error(
+            "loss_fn(model, batch) returned a tensor that does not require grad (not computed from the model's "
+            "parameters)"
+        )
     return loss
 
 
