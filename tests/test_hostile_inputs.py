@@ -1165,3 +1165,37 @@ def test_30_7_the_scripts_own_prints_into_a_closed_pipe_exit_141_quietly(mode, i
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141, err
     assert err == ""
+
+
+# the smaller items of issue 30
+
+
+def _csv_rows(out: Path) -> list[list[str]]:
+    return list(csv.reader(io.StringIO((out / "rank_0" / "rank_0_memory.csv").read_text())))
+
+
+def test_30_a_csv_cell_that_is_not_an_integer_names_its_column(good_run, tmp_path, capsys):
+    out, _ = good_run
+    rows = _csv_rows(out)
+    rows[1][CSV_COLUMNS.index("size")] = "abc"
+    buf = io.StringIO()
+    csv.writer(buf).writerows(rows)
+    (tmp_path / "bad.csv").write_text(buf.getvalue())
+    rc, _, err = cli(["compare", "bad.csv", "out/rank_0/rank_0_memory.csv"], capsys)
+    assert_bad_input(rc, err, "bad.csv", "line 2", "size: 'abc' is not an integer")
+
+
+def test_30_a_csv_with_a_byte_order_mark_is_read(good_run, tmp_path, capsys):
+    (tmp_path / "bom.csv").write_bytes(
+        b"\xef\xbb\xbf" + (tmp_path / "out/rank_0/rank_0_memory.csv").read_bytes()
+    )
+    rc, out, err = cli(["compare", "bom.csv", "out/rank_0/rank_0_memory.csv"], capsys)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("value", ["١", "1_0", "²", " 1 2"])
+def test_30_rank_takes_ascii_digits_only(value, capsys, monkeypatch, no_simulation):
+    """Python's int() reads '١' (an Arabic-Indic one) and '1_0' as numbers; torchrun writes ASCII digits."""
+    monkeypatch.setenv("RANK", value)
+    rc, _, err = cli(["run", *T], capsys)
+    assert_bad_input(rc, err, "RANK=", "is not an integer")
