@@ -1199,3 +1199,28 @@ def test_30_rank_takes_ascii_digits_only(value, capsys, monkeypatch, no_simulati
     monkeypatch.setenv("RANK", value)
     rc, _, err = cli(["run", *T], capsys)
     assert_bad_input(rc, err, "RANK=", "is not an integer")
+
+
+def test_30_snapshot_to_a_gz_name_is_gzip_compressed_and_reads_back(good_run, tmp_path, capsys):
+    rc, _, err = cli(["snapshot", G, "-o", "s.pickle.gz"], capsys)
+    assert rc == 0, err
+    raw = (tmp_path / "s.pickle.gz").read_bytes()
+    assert raw[:2] == b"\x1f\x8b"  # the gzip magic
+    assert pickle.loads(gzip.decompress(raw))["segments"]
+    rc, _, err = cli(["snapshot", G, "-o", "s2.pickle.gz"], capsys)
+    assert (tmp_path / "s2.pickle.gz").read_bytes() == raw  # deterministic (no time in the gzip header)
+
+
+def test_30_compare_replay_of_a_snapshot_hyperdryrun_wrote_says_it_holds_tensors_only(
+    good_run, tmp_path, capsys
+):
+    assert cli(["snapshot", G, "-o", "s.pickle"], capsys)[0] == 0
+    rc, _, err = cli(["compare", "--replay", "s.pickle"], capsys)
+    assert_bad_input(rc, err, "s.pickle", "HyperDryRun wrote from a report", "tensors only")
+
+
+def test_30_a_scripts_syntax_error_is_located_in_the_script(tmp_path, capsys):
+    (tmp_path / "syn.py").write_text("import torch\nx = (\n")
+    rc, _, err = cli(["script", str(tmp_path / "syn.py"), "--in-process"], capsys)
+    assert_bad_input(rc, err, "SyntaxError", "(syn.py:2)")
+    assert "frozen" not in err

@@ -137,7 +137,9 @@ def bounded_int(text: str) -> int:
     converting a long one is quadratic)."""
     body = text.strip()
     body = body[1:] if body[:1] in "+-" else body
-    if not (body.isascii() and body.isdigit()):  # Python's int() also takes '1_000' and '١' (Arabic-Indic one)
+    if not (
+        body.isascii() and body.isdigit()
+    ):  # Python's int() also takes '1_000' and '١' (Arabic-Indic one)
         raise ValueError(f"{shown(text)} is not an integer (ASCII digits 0-9)")
     digits = body.lstrip("0")
     if len(digits) > _INT_DIGITS or abs(value := int(text)) >= INT_LIMIT:

@@ -133,6 +133,10 @@ _LOADED: dict[str, LoadedScript] = {}
 
 def _where(err: BaseException, path: str | None) -> str:
     """`` (train.py:12)``: the innermost frame of the error in the script's file (or in any file, without one)."""
+    if (
+        isinstance(err, SyntaxError) and err.filename
+    ):  # the place is the error's own, not a frame's (importlib)
+        return f" ({Path(err.filename).name}:{err.lineno})"
     frames = traceback.extract_tb(err.__traceback__)
     mine = [f for f in frames if path is not None and os.path.abspath(f.filename) == path] or frames[-1:]
     return f" ({Path(mine[-1].filename).name}:{mine[-1].lineno})" if mine else ""
