@@ -1224,3 +1224,45 @@ def test_30_a_scripts_syntax_error_is_located_in_the_script(tmp_path, capsys):
     rc, _, err = cli(["script", str(tmp_path / "syn.py"), "--in-process"], capsys)
     assert_bad_input(rc, err, "SyntaxError", "(syn.py:2)")
     assert "frozen" not in err
+
+
+def test_30_a_process_the_users_script_starts_does_not_outlive_sigterm(tmp_path):
+    import signal
+    import time
+
+    (tmp_path / "job.py").write_text(
+        "import subprocess, time, torch\n"
+        "from torch import nn\n"
+        "child = subprocess.Popen(['sleep', '300'])\n"
+        "open('sleep.pid', 'w').write(str(child.pid))\n"
+        "def hyperdryrun_job(launch):\n"
+        "    time.sleep(300)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(
+        [*HYPERDRYRUN, "script", "job.py", "--output-dir", "out"], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pid_file = tmp_path / "sleep.pid"
+    for _ in range(600):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    sleep_pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    for _ in range(50):  # the kill is immediate; its reaping by init may take a moment
+        try:
+            os.kill(sleep_pid, 0)
+        except ProcessLookupError:
+            break
+        if (
+            Path(f"/proc/{sleep_pid}/stat").exists()
+            and Path(f"/proc/{sleep_pid}/stat").read_text().split()[2] == "Z"
+        ):
+            break  # a zombie: dead, waiting for init
+        time.sleep(0.1)
+    else:
+        os.kill(sleep_pid, signal.SIGKILL)
+        pytest.fail("the script's subprocess outlived SIGTERM")

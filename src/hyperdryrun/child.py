@@ -10,8 +10,10 @@ child, the parent sees it die: :func:`run_in_child` returns the function's resul
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import multiprocessing
+import os
 import signal
 import traceback
 from collections.abc import Callable
@@ -51,6 +53,8 @@ def signal_name(signum: int) -> str:
 
 
 def _child_main(conn: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # a process group of its own: what the user's code starts goes with it (_end_group)
     try:
         result = fn(*args, **kwargs)
     except BaseException as err:  # sent to the parent as plain text: the exception itself may not pickle
@@ -59,6 +63,15 @@ def _child_main(conn: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) ->
         conn.send(("ok", result))
     finally:
         conn.close()
+
+
+def _end_group(pgid: int | None) -> None:
+    """Kill what is left of the child's process group (processes the user's script started): a dry run, ended
+    or interrupted (SIGTERM, Ctrl-C), leaves nothing running behind it."""
+    if pgid is None:
+        return
+    with contextlib.suppress(OSError):  # no such group: nothing was left (or the child never made it)
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def run_in_child(fn: Callable[..., Any], *args: Any, start_method: str = "spawn", **kwargs: Any) -> Any:
@@ -77,10 +90,12 @@ def run_in_child(fn: Callable[..., Any], *args: Any, start_method: str = "spawn"
     except BaseException:
         proc.kill()
         proc.join()
+        _end_group(proc.pid)
         raise
     finally:
         receive.close()
     proc.join()
+    _end_group(proc.pid)
     if kind == "ok":
         return payload
     if kind == "error":
