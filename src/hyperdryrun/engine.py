@@ -83,11 +83,11 @@ def checked_model(model: Any) -> nn.Module:
     return model
 
 
-def checked_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise user_code_error(
-            f"optimizer_fn(params) returned {_kind(optimizer)}, not a torch.optim.Optimizer"
-        )
+def checked_optimizer(optimizer: Any) -> Any:
+    """Something to step: an optimizer, or what the user's ``step_fn`` drives (a dict or list of optimizers, a
+    wrapper); None never (the step would fail on it with an AttributeError, reported as an internal error)."""
+    if optimizer is None:
+        raise user_code_error("optimizer_fn(params) returned None, not a torch.optim.Optimizer")
     return optimizer
 
 
@@ -136,6 +136,13 @@ def micro_batch_step(
                 loss = checked_loss(loss_fn(model, batch)) / num_micro_batches
                 loss.backward()
             del loss
+        if not (
+            callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))
+        ):
+            raise user_code_error(
+                f"optimizer_fn(params) returned {_kind(optimizer)}, not a torch.optim.Optimizer: the loss_fn step "
+                "calls its step() and zero_grad() (give a step_fn to drive several optimizers)"
+            )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
