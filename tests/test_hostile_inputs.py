@@ -1266,3 +1266,15 @@ def test_30_a_process_the_users_script_starts_does_not_outlive_sigterm(tmp_path)
     else:
         os.kill(sleep_pid, signal.SIGKILL)
         pytest.fail("the script's subprocess outlived SIGTERM")
+
+
+@pytest.mark.parametrize(
+    ("cuda", "needle"),
+    [("context_mib: 1.0e+300", "cuda.context_mib"), ("nccl_buffsize: " + BIG, "cuda.nccl_buffsize"),
+     ("nccl_channels: 100000", "cuda.nccl_channels")],
+    ids=["context", "buffsize", "channels"],
+)  # fmt: skip
+def test_30_4_the_cuda_runtimes_numbers_are_bounded_too(cuda, needle, capsys, tmp_path, no_simulation):
+    rc, err = run_config(f"model: {{name: llama-tiny}}\ncuda: {{{cuda}}}\n", capsys, tmp_path)
+    assert_bad_input(rc, err, needle, "less than or equal to")
+    assert len(err) < 300
