@@ -163,7 +163,9 @@ def _causal_lm_problem(args: HFArgs) -> tuple[str, str] | str | None:
         config = args.hf_config()
     except ValueError as err:
         return str(err)
-    except Exception as err:  # transformers' own validators (huggingface_hub's StrictDataclass...) on the file
+    except (
+        Exception
+    ) as err:  # transformers' own validators (huggingface_hub's StrictDataclass...) on the file
         first = str(err).splitlines()[0] if str(err) else ""
         return f"--model {args.name}: transformers cannot build this config: {type(err).__name__}: {first}"
     mapping = transformers_module().AutoModelForCausalLM._model_mapping
