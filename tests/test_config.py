@@ -125,7 +125,7 @@ def test_model_overrides_apply_to_the_preset_of_the_right_family():
         ({"device_memory_gib": "80"}, "device_memory_gib: Input should be a valid number (got '80')"),
         (
             {"parallel": {"pp_stage_layers": []}},
-            "parallel.pp_stage_layers: must be a non-empty list of layer counts >= 0, got []",
+            "parallel.pp_stage_layers: must be a non-empty list of layer counts from 0 to 10000, got []",
         ),
     ],
 )

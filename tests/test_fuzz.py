@@ -690,3 +690,175 @@ def test_hostile_variables_and_flags_in_a_capped_process(tmp_path):
     assert len(lines) == len(cases) and all(line.startswith("hyperdryrun: error: ") for line in lines), lines
     assert all(len(line) < 600 for line in lines)  # no value is echoed whole
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 30: the script contract, outputs over their own inputs, closed standard streams
+# ---------------------------------------------------------------------------------------------------------
+
+import hyperdryrun.runner as _runner  # noqa: E402
+
+REAL_RUN_RANK = _runner.run_rank  # the autouse fixture stops it; the script contract needs the real step
+
+CALLBACK_SCRIPT = """
+import sys, torch
+from torch import nn
+F = sys.modules["__fuzz_returns__"]
+def model_fn():
+    return F.make("model_fn", None, None) if F.callback == "model_fn" else nn.Linear(8, 8)
+def batch_fn(i, device):
+    return F.make("batch_fn", None, None) if F.callback == "batch_fn" else torch.randn(2, 8, device=device)
+def loss_fn(model, batch):
+    return F.make("loss_fn", model, batch) if F.callback == "loss_fn" else model(batch).sum()
+def optimizer_fn(params):
+    return F.make("optimizer_fn", None, None) if F.callback == "optimizer_fn" else torch.optim.SGD(params, lr=0.1)
+def hyperdryrun_job(launch):
+    return dict(model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn)
+"""
+
+RETURNS = {
+    "None": lambda m, b: None,
+    "int": lambda m, b: 3,
+    "float": lambda m, b: 1.5,
+    "str": lambda m, b: "x",
+    "list": lambda m, b: [1, 2],
+    "dict": lambda m, b: {"a": 1},
+    "tensor-vector": lambda m, b: m(b).sum(0) if m is not None else __import__("torch").ones(3),
+    "tensor-int": lambda m, b: __import__("torch").ones((), dtype=__import__("torch").int64),
+    "tensor-const": lambda m, b: __import__("torch").tensor(1.0),
+    "the-valid-one": None,  # what the contract asks for: the step runs
+}
+
+
+@settings(BUDGET, max_examples=14, deadline=None, suppress_health_check=[*BUDGET.suppress_health_check,
+          HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(
+    callback=st.sampled_from(["model_fn", "batch_fn", "loss_fn", "optimizer_fn"]),
+    returns=st.sampled_from(sorted(RETURNS)),
+)
+def test_any_callback_return_is_run_or_refused_on_one_line_naming_it(callback, returns, monkeypatch):
+    """What each callback of the script contract returns: the step runs (0) only for what the contract asks, and
+    anything else is exit 2 on one line naming the callback and what it returned (was exit 3, "rerun with
+    --debug"). In-process (--in-process): a simulation of an 8x8 Linear, a fraction of a second each."""
+    import types
+
+    monkeypatch.setattr(_runner, "run_rank", REAL_RUN_RANK)
+    fuzz = types.SimpleNamespace(callback=callback if RETURNS[returns] is not None else None)
+    fuzz.make = lambda name, model, batch: RETURNS[returns](model, batch)
+    monkeypatch.setitem(sys.modules, "__fuzz_returns__", fuzz)
+    with scratch() as tmp:
+        script = tmp / f"job_{callback}_{returns}.py".replace("-", "_")
+        script.write_text(CALLBACK_SCRIPT)
+        rc, out, err = call(
+            ["script", str(script), "--in-process", "--quiet", "--output-dir", str(tmp / "out")]
+        )
+    if RETURNS[returns] is None:
+        assert rc == 0, err
+        return
+    check_refused_or_read(rc, out, err, set())
+    assert f"{callback}(" in err, err
+
+
+@pytest.fixture(scope="module")
+def a_report(tmp_path_factory) -> Path:
+    """One real run's output directory (a process of its own: the module's fixture stops the simulation)."""
+    out = tmp_path_factory.mktemp("fuzz_run") / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hyperdryrun", "run", "--model", "llama-tiny", "--seq-len", "64", "--quiet",
+         "--output-dir", str(out)], env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@SMALL_BUDGET
+@given(
+    data=st.data(),
+    command=st.sampled_from(["snapshot", "report-html", "report-plot", "report-compare"]),
+    target=st.sampled_from(["json", "csv"]),
+    spelling=st.sampled_from(["plain", "dot", "dotdot", "absolute", "symlink", "hardlink", "double-slash"]),
+)
+def test_an_output_equal_to_an_input_by_any_name_is_refused_and_the_input_kept(
+    data, command, target, spelling, a_report
+):
+    import shutil
+
+    with scratch() as tmp:
+        shutil.copytree(a_report, tmp / "out")
+        g = tmp / "out" / "rank_0" / "rank_0_memory.json"
+        victim = g.with_suffix(f".{target}")
+        name = {
+            "plain": str(victim),
+            "dot": str(victim.parent / "." / victim.name),
+            "dotdot": str(victim.parent / ".." / "rank_0" / victim.name),
+            "absolute": os.path.abspath(victim),
+            "double-slash": str(victim).replace("/rank_0/", "//rank_0//"),
+            "symlink": str(tmp / f"link.{target}"),
+            "hardlink": str(tmp / f"hard.{target}"),
+        }[spelling]
+        if spelling == "symlink":
+            os.symlink(victim, name)
+        if spelling == "hardlink":
+            os.link(victim, name)
+        given_input = (
+            data.draw(st.sampled_from([str(g), str(tmp / "out")])) if command != "snapshot" else str(g)
+        )
+        before = {p: p.read_bytes() for p in (tmp / "out").rglob("*") if p.is_file()}
+        argv = {
+            "snapshot": ["snapshot", str(g), "-o", name],
+            "report-html": ["report", given_input, "--html", name],
+            "report-plot": [
+                "report",
+                given_input,
+                "--html",
+                str(tmp / "page.html"),
+                "--plot",
+                str(victim.parent),
+            ],
+            "report-compare": ["report", str(REFERENCE), "--compare", str(g), "--html", name],
+        }[command]
+        rc, out, err = call(argv)
+        if command == "report-plot":  # PNGs beside the reports: another name, allowed (or matplotlib missing)
+            check_refused_or_read(rc, out, err, {0})
+        else:
+            check_refused_or_read(rc, out, err, set())
+            assert "is an input of this command" in err, err
+        assert {p: p.read_bytes() for p in (tmp / "out").rglob("*") if p.is_file() and p in before} == before
+
+
+STREAM_COMMANDS = {
+    "version": ["--version"],
+    "help": ["run", "--help"],
+    "bad-input": ["run", "--model", "potato"],
+    "compare": ["compare", str(REFERENCE), str(REFERENCE)],
+    "snapshot": ["snapshot", str(FIXTURES / "tiny_step.trace.json.gz"), "-o", "s.pickle"],
+}
+
+
+@settings(BUDGET, max_examples=8, deadline=None)
+@given(
+    command=st.sampled_from(sorted(STREAM_COMMANDS)),
+    redirect=st.sampled_from([">&-", "2>&-", "<&-", ">/dev/full", "2>/dev/full", ">&- 2>&-"]),
+)
+def test_closed_or_full_standard_streams_keep_the_exit_code(command, redirect):
+    """Issue 30, item 8: a closed stream is /dev/null (the exit code is the command's own); a full stdout is one
+    line, exit 2; a full or closed stderr never changes the exit code. Never a traceback."""
+    import shlex
+
+    argv = STREAM_COMMANDS[command]
+    expected = 2 if command == "bad-input" else 0
+    if ">/dev/full" in redirect.split() and command not in ("bad-input",):
+        expected = 2  # what it printed was lost
+    if command == "snapshot" and ">/dev/full" in redirect.split():
+        expected = 2
+    with scratch() as tmp:
+        line = " ".join(map(shlex.quote, [sys.executable, "-m", "hyperdryrun", *argv])) + " " + redirect
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        proc = subprocess.run(
+            ["bash", "-c", line], cwd=tmp, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == expected, (redirect, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.count("\n") <= 1
+        assert not any(p.name.isdigit() for p in tmp.iterdir())

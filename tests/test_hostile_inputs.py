@@ -9,6 +9,7 @@ import csv
 import gzip
 import io
 import json
+import math
 import os
 import pickle
 import resource
@@ -745,3 +746,535 @@ def test_12_torch_warnings_of_the_step_go_to_the_limitations_once_with_their_cou
     assert len(warned) == 1 and warned[0].startswith(
         "warned during the simulated step (1 time): UserWarning:"
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 30: the second round (numbers are the issue's items)
+# ---------------------------------------------------------------------------------------------------------
+
+HYPERDRYRUN = [sys.executable, "-m", "hyperdryrun"]
+
+
+def hdr(args: list[str], tmp_path: Path, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """``hyperdryrun ARGS`` as a new user runs it: a process of its own, in ``tmp_path``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *LIMIT_VARS):
+        env.pop(var, None)
+    env.update(kwargs.pop("env", {}))
+    return subprocess.run(
+        [*kwargs.pop("wrap", []), *HYPERDRYRUN, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def a_run(tmp_path_factory) -> Path:
+    """One real ``run --model llama-tiny`` output directory (made once for this module)."""
+    out = tmp_path_factory.mktemp("a_run") / "out"
+    proc = hdr(["run", *T, "--quiet", "--output-dir", str(out)], out.parent)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture
+def good_run(a_run, tmp_path) -> tuple[Path, dict[str, bytes]]:
+    """A copy of :func:`a_run` under ``tmp_path/out``, and its files' bytes (what must stay)."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(a_run, out)
+    return out, {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+G = "out/rank_0/rank_0_memory.json"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["snapshot", G, "-o", G],
+        ["snapshot", G, "-o", "out/rank_0/rank_0_memory.csv"],
+        ["snapshot", G, "-o", "out/rank_0/../rank_0/rank_0_memory.csv"],
+        ["snapshot", "out/rank_0/rank_0_memory.csv", "-o", G],
+        ["snapshot", G, "-o", "link.json"],
+        ["snapshot", G, "-o", "hard.json"],
+        ["report", G, "--html", G],
+        ["report", "out", "--html", "out/rank_0/rank_0_memory.csv"],
+        ["report", "other.json", "--compare", "out", "--html", "link.json"],
+        ["report", "out", "--html", "hard.json"],
+    ],
+    ids=["snap-self", "snap-csv", "snap-dotdot", "snap-from-csv", "snap-symlink", "snap-hardlink", "report-self",
+         "report-dir-csv", "report-compare-link", "report-hardlink"],
+)  # fmt: skip
+def test_30_1_an_output_never_replaces_its_own_input(argv, good_run, tmp_path, capsys):
+    out, files = good_run
+    (tmp_path / "link.json").symlink_to(out / "rank_0" / "rank_0_memory.json")
+    os.link(out / "rank_0" / "rank_0_memory.json", tmp_path / "hard.json")
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, "is an input of this command", "name another file")
+    assert unchanged(files)
+
+
+def test_30_1_fit_outputs_are_not_its_config(tmp_path, capsys, no_simulation):
+    (tmp_path / "job.yaml").write_text("model: {name: llama-tiny}\n")
+    before = (tmp_path / "job.yaml").read_bytes()
+    for flag in ("--json", "--csv"):
+        rc, _, err = cli(
+            ["fit", *FIT[2:], "--world-size", "2", "--config", "job.yaml", flag, "./job.yaml"], capsys
+        )
+        assert_bad_input(rc, err, flag, "job.yaml", "is an input")
+    assert (tmp_path / "job.yaml").read_bytes() == before
+
+
+def test_30_1_an_output_beside_the_input_is_still_fine(good_run, tmp_path, capsys):
+    rc, out, err = cli(["snapshot", G, "-o", "out/rank_0/snap.pickle"], capsys)
+    assert rc == 0, err
+    assert pickle.loads((tmp_path / "out/rank_0/snap.pickle").read_bytes())["segments"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["run", *T, "--output-dir", "a" * 300], "--output-dir"),
+        (["fit", *FIT[2:], "--world-size", "2", "--json", "j" * 256 + ".json"], "--json"),
+        (["fit", *FIT[2:], "--world-size", "2", "--csv", "x/" * 2100 + "c.csv"], "--csv"),
+        (["snapshot", G, "-o", "s" * 300], "--output"),
+        (["fit", *FIT[2:], "--world-size", "2", "--json", "-"], "--json"),
+    ],
+    ids=["output-dir", "fit-json", "fit-csv-path", "snapshot", "fit-json-dash"],
+)
+def test_30_3_an_output_name_the_file_system_cannot_take_is_bad_input(
+    argv, flag, good_run, capsys, no_simulation
+):
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, flag)
+    assert len(err) < 400
+    assert not Path("-").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["run", *T, "--output-dir", "D/out"], "--output-dir"),
+        (["fit", *FIT[2:-1], "--world-size", "1", "--json", "D/x.json"], "--json"),
+        (["fit", *FIT[2:-1], "--world-size", "1", "--cache-dir", "D/c"], "--cache-dir"),
+    ],
+    ids=["output-dir", "fit-json", "fit-cache-dir"],
+)
+def test_30_3_a_directory_without_permission_is_bad_input_naming_the_flag(args, flag, tmp_path):
+    """As a user that is not root (root may write anywhere): a process of its own, run as nobody (util-linux's
+    setpriv) when the tests run as root."""
+    import shutil
+
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("runs as root without setpriv to drop to another user")
+        kwargs = {"wrap": ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]}
+        tmp_path.chmod(0o777)
+        for p in tmp_path.parents:
+            if p == Path(tmp_path.anchor):
+                break
+            p.chmod(p.stat().st_mode | 0o005)  # nobody may reach tmp_path
+    else:
+        kwargs = {}
+    (tmp_path / "D").mkdir()
+    (tmp_path / "D").chmod(0)
+    proc = hdr(args, tmp_path, **kwargs)
+    assert_bad_input(proc.returncode, proc.stderr, flag, "Permission denied")
+
+
+# item 8: closed and full standard streams (a process of its own: the shell closes them)
+
+
+@pytest.mark.parametrize(
+    ("args", "redirect", "code"),
+    [
+        (["--version"], ">&-", 0),
+        (["run", "--help"], ">&-", 0),
+        (["compare", G, G], ">&-", 0),
+        (["run", *T, "--quiet", "--output-dir", "out2"], ">&-", 0),
+        (["run", *T, "--output-dir", "out2"], "2>&- >&- <&-", 0),
+        (["run", "--model", "potato"], "2>/dev/full", 2),
+        (["--version"], ">/dev/full", 2),
+        (["run", *T, "--output-dir", "out2"], ">/dev/full", 2),
+    ],
+    ids=[
+        "version",
+        "help",
+        "compare",
+        "run",
+        "all-closed",
+        "bad-input-stderr-full",
+        "version-full",
+        "run-full",
+    ],
+)
+def test_30_8_closed_or_full_standard_streams(args, redirect, code, good_run, tmp_path):
+    import shlex
+
+    line = " ".join(map(shlex.quote, [*HYPERDRYRUN, *args])) + " " + redirect
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run(
+        ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr
+    if "2>" not in redirect and code == 2:
+        assert_bad_input(proc.returncode, proc.stderr, "stdout", "No space left on device")
+    if "out2" in args:
+        assert (tmp_path / "out2" / "rank_0" / "rank_0_memory.json").is_file()
+    assert not any(p.name.isdigit() for p in tmp_path.iterdir())  # no stray file took a closed descriptor
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (
+            ["--ac", "none", "--ac-selective", "op"],
+            "training.ac_selective='op' has no effect with training.ac='none'",
+        ),
+        (
+            ["--ac", "full", "--ac-selective", "op"],
+            "training.ac_selective='op' has no effect with training.ac='full'",
+        ),
+        (["--model", "moe-tiny", "--hot-expert", "0"], "values.hot_expert=0 has no effect"),
+        (["--model", "moe-tiny", "--skew", "2.0"], "values.skew=2.0 has no effect"),
+        (["--model", "moe-tiny", "--routing", "hotspot", "--routing-counts", "1,2"], "values.counts=[1, 2]"),
+        (["--routing", "balanced"], "values.routing='balanced' has no effect: 'llama-tiny' is a dense model"),
+    ],
+    ids=["ac-none", "ac-full", "hot-expert-0", "skew-2", "counts", "routing-dense"],
+)
+def test_30_9_a_field_given_but_ignored_is_refused_even_at_its_default(argv, needle, capsys, no_simulation):
+    rc, _, err = cli(["run", *T, *argv], capsys)
+    assert_bad_input(rc, err, needle)
+
+
+def test_30_9_the_yaml_form_too_and_a_dump_still_rebuilds(tmp_path, capsys, no_simulation):
+    from hyperdryrun.config import build_config
+
+    rc, err = run_config(
+        "model: {name: llama-tiny}\ntraining: {ac: full, ac_selective: op}\n", capsys, tmp_path
+    )
+    assert_bad_input(rc, err, "training.ac_selective='op' has no effect")
+    for data in (
+        {"model": {"name": "llama-tiny"}},
+        {"model": {"name": "moe-tiny"}},
+        {"model": {"name": "moe-tiny"}, "values": {"routing": "hotspot", "hot_expert": 0, "skew": 2.0}},
+        {"model": {"name": "llama-tiny"}, "training": {"ac": "selective", "ac_selective": "op"}},
+    ):
+        cfg = build_config(data)
+        assert build_config(cfg.model_dump()) == cfg  # the runner's workers rebuild a config from its dump
+        assert build_config(json.loads(cfg.model_dump_json())) == cfg
+
+
+BIG = "1" + "0" * 400
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["run", *T, "--world-size", BIG], ["--world-size", "16777216", "about 401 digits"]),
+        (["run", *T, "--device-memory-gib", "1e300"], ["--device-memory-gib", "1048576", "1e+300"]),
+        (["run", *T, "--gpu", "h100-80gb", "--margin-gib", "1e308"], ["--margin-gib", "1e+308"]),
+        (["run", *T, "--gpu", "h100-80gb", "--margin-gib", "80"], ["--margin-gib 80", "less than the capacity"]),
+        (["run", *T, "--margin-gib", "1"], ["margin_gib=1 has no effect without a capacity"]),
+        (["run", *T, "--target-device", "cpu", "--gpu", "h100-80gb"], ["cuda.gpu='h100-80gb' has no effect"]),
+        (["run", *T, "--target-device", "cpu", "--alloc-conf", "expandable_segments:True"], ["cuda.alloc_conf"]),
+        (["fit", *FIT[2:], "--world-size", "1", "--margin-gib", "1e308"], ["--margin-gib", "1,048,576"]),
+        (["fit", *FIT[2:], "--world-size", "1", "--device-memory-gib", "1e300"], ["--device-memory-gib", "1e+300"]),
+        (["fit", *FIT[2:-3], "--world-size", "1", "--global-batch-tokens", str(2**64)], ["--global-batch-tokens"]),
+        (["fit", *FIT[2:], "--world-size", "1", "--micro-batch-size", "1" + "0" * 23], ["--micro-batch-size"]),
+        (["fit", *FIT[2:], "--world-size", "1", "--tp", "1" + "0" * 23], ["--tp", "16,777,216"]),
+        (["fit", *FIT[2:], "--world-size", "100000"], ["--world-size 100000", "65536", "HYPERDRYRUN_MAX_WORLD_SIZE"]),
+    ],
+    ids=["world-size", "device-gib", "margin-gib", "margin-over-capacity", "margin-no-capacity", "gpu-on-cpu",
+         "alloc-conf-on-cpu", "fit-margin", "fit-device-gib", "fit-tokens", "fit-mbs", "fit-tp", "fit-world"],
+)  # fmt: skip
+def test_30_4_huge_numbers_are_bad_input_naming_the_flag(argv, needles, capsys, no_simulation):
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, *needles)
+    assert len(err) < 300  # a 401-digit number is not echoed whole
+
+
+def test_30_4_a_yaml_number_past_pythons_digit_limit(capsys, tmp_path, no_simulation):
+    rc, err = run_config(
+        "model: {name: llama-tiny}\ntraining: {seq_len: " + "9" * 5000 + "}\n", capsys, tmp_path
+    )
+    assert_bad_input(rc, err, "--config", "job.yaml", "an integer of more than 4300 digits")
+
+
+def test_30_12_fit_executor_ray_without_ray_is_bad_input(capsys, monkeypatch, no_simulation):
+    monkeypatch.setitem(
+        sys.modules, "ray", None
+    )  # ``import ray`` raises ImportError, as without it installed
+    rc, _, err = cli(["fit", *FIT[2:], "--world-size", "2", "--executor", "ray"], capsys)
+    assert_bad_input(rc, err, "--executor ray needs Ray", "pip install 'hyperdryrun[ray]'")
+
+
+def test_30_13_measure_keeps_the_terminal_clean_as_run_does(tmp_path):
+    """Kineto's C++ ``USDT: ... profiler_start/stop`` lines and FSDP2's FSDPEmbedding UserWarning went to stderr."""
+    proc = hdr(["measure", *T, "--world-size", "2", "--tp", "2", "--quiet", "--output-dir", "out"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    limitations = json.loads((tmp_path / "out/rank_0/rank_0_memory.json").read_text())["limitations"]
+    assert any("FSDPEmbedding" in line and line.startswith("warned during") for line in limitations)
+
+
+def test_30_13_measure_refuses_a_bad_alloc_conf_variable_as_the_flag(tmp_path):
+    proc = hdr(["measure", *T, "--output-dir", "out"], tmp_path, env={"PYTORCH_CUDA_ALLOC_CONF": "bogus:1"})
+    assert_bad_input(proc.returncode, proc.stderr, "$PYTORCH_CUDA_ALLOC_CONF", "'bogus'")
+    assert not (tmp_path / "out").exists()
+
+
+def bert_config(tmp_path: Path) -> str:
+    d = tmp_path / "bert"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["BertModel"], "model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 128,
+    }))  # fmt: skip
+    return f"hf:{d}"
+
+
+@pytest.mark.parametrize(
+    ("make", "needles"),
+    [
+        (lambda p: hf_config(p, rms_norm_eps=math.nan), ["field rms_norm_eps", "finite number"]),
+        (
+            lambda p: hf_config(p, rope_scaling={"rope_type": "llama3"}),
+            ["transformers cannot build", "factor"],
+        ),
+        (bert_config, ["field model_type", "BertLMHeadModel", "'bert'", "not 'model.layers'"]),
+    ],
+    ids=["nan", "rope-scaling-keys", "bert"],
+)
+@pytest.mark.parametrize("command", ["run", "fit"])
+def test_30_5_a_config_transformers_cannot_build_as_a_decoder_is_bad_input_and_keeps_the_report(
+    command, make, needles, tmp_path, capsys, no_simulation
+):
+    pytest.importorskip("transformers")
+    model = make(tmp_path)
+    files = good_report(tmp_path / "out")
+    argv = (
+        ["run", "--model", model, "--seq-len", "64", "--output-dir", "out"]
+        if command == "run"
+        else ["fit", "--model", model, *FIT[2:], "--world-size", "2"]
+    )
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, "config", *needles)
+    assert unchanged(files)
+
+
+# items 2, 6, 7: the script contract (a user's mistake is the user's: exit 2 naming the callback and what it returned)
+
+SCRIPT = """
+import os, sys, torch
+from torch import nn
+def model_fn():
+    return "model" if os.environ.get("MODE", "") == "model_str" else nn.Linear(16, 16)
+def batch_fn(i, device):
+    return "batch" if os.environ.get("MODE", "") == "batch_str" else torch.randn(4, 16, device=device)
+def loss_fn(model, batch):
+    if os.environ.get("MODE", "").startswith("loss_exit"):
+        sys.exit(int(os.environ.get("MODE", "")[-1]))
+    if os.environ.get("MODE", "") == "print":
+        for _ in range(5000):
+            print("x" * 80)
+    return {"loss_none": None, "loss_float": 1.0, "loss_vec": model(batch).sum(0)}.get(os.environ.get("MODE", ""), model(batch).sum())
+def optimizer_fn(params):
+    return None if os.environ.get("MODE", "") == "opt_none" else torch.optim.SGD(params, lr=0.1)
+def hyperdryrun_job(launch):
+    if os.environ.get("MODE", "") == "job_exit0":
+        sys.exit(0)
+    job = dict(model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn)
+    if os.environ.get("MODE", "") == "mesh":
+        job["mesh_shape"] = (3, 5)
+    if os.environ.get("MODE", "") == "tpu":
+        job["target_device"] = "tpu"
+    return job
+if os.environ.get("MODE", "") == "kbi":
+    raise KeyboardInterrupt
+if os.environ.get("MODE", "") == "print_top":
+    for _ in range(5000):
+        print("line")
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "needles"),
+    [
+        ("model_str", ["model_fn() returned a str, not a torch.nn.Module"]),
+        ("batch_str", ["batch_fn(0, device) returned a str holding no tensor"]),
+        ("loss_none", ["loss_fn(model, batch) returned None, not a scalar"]),
+        ("loss_float", ["loss_fn(model, batch) returned a float"]),
+        ("loss_vec", ["loss_fn(model, batch) returned a tensor of shape [16]"]),
+        ("opt_none", ["optimizer_fn(params) returned None, not a torch.optim.Optimizer"]),
+        ("loss_exit0", ["sys.exit(0) was called by the job's own code"]),
+        ("loss_exit1", ["sys.exit(1) was called by the job's own code"]),
+        ("job_exit0", ["hyperdryrun_job(launch)", "called sys.exit(0)"]),
+        ("mesh", ["mesh_shape=(3, 5) has 15 ranks, world_size=1"]),
+        ("tpu", ["target_device='tpu'", "--target-device"]),
+    ],
+)
+def test_30_6_a_callbacks_mistake_is_bad_input_naming_it(mode, needles, tmp_path, capsys, monkeypatch):
+    """--in-process (sys.exit(0) there exited 0 with nothing done; sys.exit(1) read as an OOM)."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    monkeypatch.setenv("MODE", mode)
+    spec = str(tmp_path / "job.py")  # its own spec: a loaded script is cached by it in this process
+    rc, out, err = cli(["script", spec, "--in-process", "--quiet", "--output-dir", "out"], capsys)
+    assert_bad_input(rc, err, *needles)
+    assert "peak" not in out
+
+
+def test_30_6_the_same_in_a_child_process(tmp_path):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    for mode, needle in (
+        ("loss_exit0", "sys.exit(0)"),
+        ("loss_none", "returned None"),
+        ("mesh", "mesh_shape"),
+    ):
+        proc = hdr(["script", "job.py", "--quiet", "--output-dir", "out"], tmp_path, env={"MODE": mode})
+        assert_bad_input(proc.returncode, proc.stderr, needle)
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["child", "in-process"])
+def test_30_6_keyboard_interrupt_at_the_scripts_top_level_is_an_interrupt(in_process, tmp_path):
+    """As Python answers an uncaught KeyboardInterrupt: 130 and one line (it was exit 3 "KeyboardInterrupt:;")."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    extra = ["--in-process"] if in_process else []
+    proc = hdr(["script", "job.py", *extra, "--output-dir", "out"], tmp_path, env={"MODE": "kbi"})
+    assert proc.returncode == 130 and proc.stderr == "hyperdryrun: interrupted (SIGINT)\n", proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["print", "print_top"], ids=["in-loss-fn", "top-level"])
+@pytest.mark.parametrize("in_process", [False, True], ids=["child", "in-process"])
+def test_30_7_the_scripts_own_prints_into_a_closed_pipe_exit_141_quietly(mode, in_process, tmp_path):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MODE": mode}
+    extra = ["--in-process"] if in_process else []
+    proc = subprocess.Popen(
+        [*HYPERDRYRUN, "script", "job.py", *extra, "--output-dir", "out"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
+
+
+# the smaller items of issue 30
+
+
+def _csv_rows(out: Path) -> list[list[str]]:
+    return list(csv.reader(io.StringIO((out / "rank_0" / "rank_0_memory.csv").read_text())))
+
+
+def test_30_a_csv_cell_that_is_not_an_integer_names_its_column(good_run, tmp_path, capsys):
+    out, _ = good_run
+    rows = _csv_rows(out)
+    rows[1][CSV_COLUMNS.index("size")] = "abc"
+    buf = io.StringIO()
+    csv.writer(buf).writerows(rows)
+    (tmp_path / "bad.csv").write_text(buf.getvalue())
+    rc, _, err = cli(["compare", "bad.csv", "out/rank_0/rank_0_memory.csv"], capsys)
+    assert_bad_input(rc, err, "bad.csv", "line 2", "size: 'abc' is not an integer")
+
+
+def test_30_a_csv_with_a_byte_order_mark_is_read(good_run, tmp_path, capsys):
+    (tmp_path / "bom.csv").write_bytes(
+        b"\xef\xbb\xbf" + (tmp_path / "out/rank_0/rank_0_memory.csv").read_bytes()
+    )
+    rc, out, err = cli(["compare", "bom.csv", "out/rank_0/rank_0_memory.csv"], capsys)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("value", ["١", "1_0", "²", " 1 2"])
+def test_30_rank_takes_ascii_digits_only(value, capsys, monkeypatch, no_simulation):
+    """Python's int() reads '١' (an Arabic-Indic one) and '1_0' as numbers; torchrun writes ASCII digits."""
+    monkeypatch.setenv("RANK", value)
+    rc, _, err = cli(["run", *T], capsys)
+    assert_bad_input(rc, err, "RANK=", "is not an integer")
+
+
+def test_30_snapshot_to_a_gz_name_is_gzip_compressed_and_reads_back(good_run, tmp_path, capsys):
+    rc, _, err = cli(["snapshot", G, "-o", "s.pickle.gz"], capsys)
+    assert rc == 0, err
+    raw = (tmp_path / "s.pickle.gz").read_bytes()
+    assert raw[:2] == b"\x1f\x8b"  # the gzip magic
+    assert pickle.loads(gzip.decompress(raw))["segments"]
+    rc, _, err = cli(["snapshot", G, "-o", "s2.pickle.gz"], capsys)
+    assert (tmp_path / "s2.pickle.gz").read_bytes() == raw  # deterministic (no time in the gzip header)
+
+
+def test_30_compare_replay_of_a_snapshot_hyperdryrun_wrote_says_it_holds_tensors_only(
+    good_run, tmp_path, capsys
+):
+    assert cli(["snapshot", G, "-o", "s.pickle"], capsys)[0] == 0
+    rc, _, err = cli(["compare", "--replay", "s.pickle"], capsys)
+    assert_bad_input(rc, err, "s.pickle", "HyperDryRun wrote from a report", "tensors only")
+
+
+def test_30_a_scripts_syntax_error_is_located_in_the_script(tmp_path, capsys):
+    (tmp_path / "syn.py").write_text("import torch\nx = (\n")
+    rc, _, err = cli(["script", str(tmp_path / "syn.py"), "--in-process"], capsys)
+    assert_bad_input(rc, err, "SyntaxError", "(syn.py:2)")
+    assert "frozen" not in err
+
+
+def test_30_a_process_the_users_script_starts_does_not_outlive_sigterm(tmp_path):
+    import signal
+    import time
+
+    (tmp_path / "job.py").write_text(
+        "import subprocess, time, torch\n"
+        "from torch import nn\n"
+        "child = subprocess.Popen(['sleep', '300'])\n"
+        "open('sleep.pid', 'w').write(str(child.pid))\n"
+        "def hyperdryrun_job(launch):\n"
+        "    time.sleep(300)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(
+        [*HYPERDRYRUN, "script", "job.py", "--output-dir", "out"], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pid_file = tmp_path / "sleep.pid"
+    for _ in range(600):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    sleep_pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    for _ in range(50):  # the kill is immediate; its reaping by init may take a moment
+        try:
+            os.kill(sleep_pid, 0)
+        except ProcessLookupError:
+            break
+        if (
+            Path(f"/proc/{sleep_pid}/stat").exists()
+            and Path(f"/proc/{sleep_pid}/stat").read_text().split()[2] == "Z"
+        ):
+            break  # a zombie: dead, waiting for init
+        time.sleep(0.1)
+    else:
+        os.kill(sleep_pid, signal.SIGKILL)
+        pytest.fail("the script's subprocess outlived SIGTERM")
+
+
+@pytest.mark.parametrize(
+    ("cuda", "needle"),
+    [("context_mib: 1.0e+300", "cuda.context_mib"), ("nccl_buffsize: " + BIG, "cuda.nccl_buffsize"),
+     ("nccl_channels: 100000", "cuda.nccl_channels")],
+    ids=["context", "buffsize", "channels"],
+)  # fmt: skip
+def test_30_4_the_cuda_runtimes_numbers_are_bounded_too(cuda, needle, capsys, tmp_path, no_simulation):
+    rc, err = run_config(f"model: {{name: llama-tiny}}\ncuda: {{{cuda}}}\n", capsys, tmp_path)
+    assert_bad_input(rc, err, needle, "less than or equal to")
+    assert len(err) < 300

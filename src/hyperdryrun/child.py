@@ -10,7 +10,10 @@ child, the parent sees it die: :func:`run_in_child` returns the function's resul
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import multiprocessing
+import os
 import signal
 import traceback
 from collections.abc import Callable
@@ -50,6 +53,8 @@ def signal_name(signum: int) -> str:
 
 
 def _child_main(conn: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # a process group of its own: what the user's code starts goes with it (_end_group)
     try:
         result = fn(*args, **kwargs)
     except BaseException as err:  # sent to the parent as plain text: the exception itself may not pickle
@@ -58,6 +63,15 @@ def _child_main(conn: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) ->
         conn.send(("ok", result))
     finally:
         conn.close()
+
+
+def _end_group(pgid: int | None) -> None:
+    """Kill what is left of the child's process group (processes the user's script started): a dry run, ended
+    or interrupted (SIGTERM, Ctrl-C), leaves nothing running behind it."""
+    if pgid is None:
+        return
+    with contextlib.suppress(OSError):  # no such group: nothing was left (or the child never made it)
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def run_in_child(fn: Callable[..., Any], *args: Any, start_method: str = "spawn", **kwargs: Any) -> Any:
@@ -76,13 +90,21 @@ def run_in_child(fn: Callable[..., Any], *args: Any, start_method: str = "spawn"
     except BaseException:
         proc.kill()
         proc.join()
+        _end_group(proc.pid)
         raise
     finally:
         receive.close()
     proc.join()
+    _end_group(proc.pid)
     if kind == "ok":
         return payload
     if kind == "error":
+        if payload[0] == "BrokenPipeError":  # the child's prints met a closed stdout (``| head``): exit 141
+            raise BrokenPipeError(errno.EPIPE, payload[1])
+        if payload[0] == "KeyboardInterrupt":
+            # raised in the child (a Ctrl-C reaches it too, or the user's code raised it): as in this process,
+            # and as Python itself answers an uncaught one, interrupted (130), not an internal error
+            raise KeyboardInterrupt
         raise ChildFailed(*payload)
     code = proc.exitcode
     raise ChildDied(-code if code is not None and code < 0 else None, code)

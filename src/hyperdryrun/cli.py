@@ -9,6 +9,7 @@ import os
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from hyperdryrun.commands import (
     EXIT_SIGINT,
@@ -66,11 +67,107 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_lost() -> None:
+    """Point stdout at /dev/null so that Python's own flush at exit has nothing left to fail on."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+
+
 def _stdout_gone() -> int:
-    """Exit code 141 for a stdout whose reader went away, with stdout pointed at /dev/null so that Python's own
-    flush at exit has nothing left to fail on."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    """Exit code 141 for a stdout whose reader went away (stdout then points at /dev/null)."""
+    _stdout_lost()
     return EXIT_SIGPIPE
+
+
+def _open_closed_std_fds() -> None:
+    """A standard stream the shell closed (``>&-``) becomes ``/dev/null``, as if it had been redirected there: its
+    descriptor would otherwise go to the first file this process opens (a report written through ``print``, a
+    worker's output into a report), and Python's ``sys.stdout`` is ``None``. The command then does its work and its
+    exit code is its verdict; what it would have printed is discarded."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDONLY if mode == "r" else os.O_WRONLY)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115  (lives as long as the process)
+
+
+class _QuietOnFailure:
+    """A text stream that forwards to ``stream`` until a write fails (``2>/dev/full``: ENOSPC; a closed terminal:
+    EIO), then drops what follows: an error message that cannot be shown must not turn into another error and
+    change the exit code (bad input stays 2)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._broken = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._broken:
+            try:
+                return self._stream.write(text)
+            except (OSError, ValueError):
+                self._broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._broken:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._broken = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class StdoutLost(Exception):
+    """stdout refused a write for another reason than a reader that went away (``>/dev/full``)."""
+
+
+class _StdoutGuard:
+    """A text stream that forwards to ``stream``; a write or flush that fails other than with a broken pipe raises
+    :class:`StdoutLost` (one line, exit 2) instead of an ``OSError`` indistinguishable from a file's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def _guard(self, call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise StdoutLost(f"stdout: cannot write what the command prints ({err.strerror or err})") from err
+
+    def write(self, text: str) -> int:
+        return self._guard(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guard(self._stream.flush)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def guarded_std_streams() -> Iterator[None]:
+    """While inside, ``sys.stderr`` is :class:`_QuietOnFailure` and ``sys.stdout`` a :class:`_StdoutGuard`; the
+    streams come back on exit."""
+    out, err = sys.stdout, sys.stderr
+    sys.stderr = _QuietOnFailure(err)  # type: ignore[assignment]
+    sys.stdout = _StdoutGuard(out)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        sys.stdout, sys.stderr = out, err
 
 
 @contextlib.contextmanager
@@ -93,7 +190,14 @@ def broken_pipe_raises() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command and return its exit code (see :mod:`hyperdryrun.commands`): what escapes a command is an
-    internal error on one line, Ctrl-C and SIGTERM one line each."""
+    internal error on one line, Ctrl-C and SIGTERM one line each. A closed standard stream is ``/dev/null``
+    (:func:`_open_closed_std_fds`); a stderr that cannot be written is dropped (:class:`_QuietOnFailure`)."""
+    _open_closed_std_fds()
+    with guarded_std_streams():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from hyperdryrun.runner import BAD_INPUT, error_kind
 
     args = None
@@ -113,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()
         except BrokenPipeError:
             return _stdout_gone()
+        except StdoutLost as err:
+            _stdout_lost()
+            return fail(str(err))
         raise
     except KeyboardInterrupt:
         sys.stderr.write("hyperdryrun: interrupted (SIGINT)\n")
@@ -122,6 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_SIGTERM
     except BrokenPipeError:  # stdout's reader went away (``| head``): as a shell would, quietly
         return _stdout_gone()
+    except StdoutLost as err:  # ``>/dev/full``: what the command printed was lost
+        _stdout_lost()
+        return fail(str(err))
     except Exception as err:
         debug = bool(getattr(args, "debug", False))
         if error_kind(err) == BAD_INPUT:

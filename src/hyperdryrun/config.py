@@ -7,13 +7,36 @@ Every consumer (CLI, YAML file, Python API) builds a :class:`JobConfig`; a bad v
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
+from hyperdryrun.bounds import (  # noqa: F401  (MAX_* re-exported)
+    GIB,
+    MAX_GIB,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_MICRO_BATCHES,
+    MAX_RANKS,
+    MAX_TOKENS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    TENSOR_BYTES,
+    shown_number,
+)
 from hyperdryrun.ingest.files import (
     CONFIG_BYTES,
     NESTING,
@@ -42,18 +65,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 
-# Upper bounds of the shape fields: generous for any published model, small enough that the products a step forms
-# (tokens x width, the fp32 logits) fit a tensor (int64 elements and bytes); see JobConfig._check_shapes.
-MAX_WIDTH = 1 << 22
-"""dim, ffn_dim and moe_ffn_dim (the largest published: 53,248)."""
-MAX_VOCAB = 1 << 24
-MAX_LAYERS = 10_000
-MAX_HEADS = 1 << 16
-MAX_TOKENS = 1 << 30
-"""seq_len and micro_batch_size, each."""
-MAX_MICRO_BATCHES = 10_000
-TENSOR_BYTES = (1 << 63) - 1
-"""The most bytes one tensor may hold (torch sizes and strides are int64)."""
+# The upper bounds of every number live in hyperdryrun.bounds (the one place; re-exported here, where they were):
+# the shape fields' are generous for any published model and small enough that the products a step forms (tokens x
+# width, the fp32 logits) fit a tensor (int64 elements and bytes); see JobConfig._check_shapes.
 
 
 class ModelConfig(_Strict):
@@ -168,19 +182,19 @@ class ParallelConfig(_Strict):
     """Parallel degrees and options as given; ``dp_shard=None`` takes what the world leaves. The layout they make,
     and its rules, is :attr:`JobConfig.dims` (:class:`~hyperdryrun.parallel.dims.ParallelDims`)."""
 
-    dp_replicate: int = Field(1, gt=0)
-    dp_shard: int | None = Field(None, gt=0)
-    tp: int = Field(1, gt=0)
-    cp: int = Field(1, gt=0)
-    pp: int = Field(1, gt=0)
-    ep: int = Field(1, gt=0)
-    etp: int = Field(1, gt=0)
+    dp_replicate: int = Field(1, gt=0, le=MAX_RANKS)
+    dp_shard: int | None = Field(None, gt=0, le=MAX_RANKS)
+    tp: int = Field(1, gt=0, le=MAX_RANKS)
+    cp: int = Field(1, gt=0, le=MAX_RANKS)
+    pp: int = Field(1, gt=0, le=MAX_RANKS)
+    ep: int = Field(1, gt=0, le=MAX_RANKS)
+    etp: int = Field(1, gt=0, le=MAX_RANKS)
     reshard_after_forward: bool = True
     sequence_parallel: bool = True
     loss_parallel: bool = True
     pp_schedule: PipelineSchedule = "1F1B"
     """torch.distributed.pipelining schedule used when pp > 1."""
-    pp_virtual_stages: int | None = Field(None, gt=0)
+    pp_virtual_stages: int | None = Field(None, gt=0, le=MAX_LAYERS)
     """Pipeline stages per rank: 1 for single-stage schedules, 2 by default for multi-stage ones."""
     pp_stage_layers: list[int] | None = None
     """Decoder layers of each pipeline stage, in stage order (default: torchtitan's even split)."""
@@ -193,8 +207,10 @@ class ParallelConfig(_Strict):
     @field_validator("pp_stage_layers")
     @classmethod
     def _non_negative_layers(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and (not v or any(n < 0 for n in v)):
-            raise ValueError(f"must be a non-empty list of layer counts >= 0, got {v}")
+        if v is not None and (not v or any(n < 0 or n > MAX_LAYERS for n in v) or len(v) > MAX_LAYERS):
+            raise ValueError(
+                f"must be a non-empty list of layer counts from 0 to {MAX_LAYERS}, got {v if len(v) <= 20 else f'{len(v)} counts'}"
+            )
         return v
 
     @property
@@ -226,7 +242,7 @@ class TrainingConfig(_Strict):
     built-in presets: the built-in one); ``builtin``: the fp32 cross entropy of the logits (torchtitan's; the old
     name ``cross-entropy`` is read as it); ``chunked``: torchtitan's ChunkedLossWrapper, the output head and the
     loss run per sequence chunk."""
-    loss_chunks: int | None = Field(None, gt=0)
+    loss_chunks: int | None = Field(None, gt=0, le=MAX_TOKENS)
     """Sequence chunks of the chunked loss (default :data:`DEFAULT_LOSS_CHUNKS`, torchtitan's)."""
     optimizer: Literal["AdamW", "Adam", "SGD"] = "AdamW"
     optimizer_impl: Literal["foreach", "fused", "for-loop"] = "foreach"
@@ -276,8 +292,8 @@ class ValuesConfig(_Strict):
 
     routing: Literal["balanced", "hotspot", "explicit"] = "balanced"
     """Tokens per expert on each rank: even, one hot expert, or ``counts`` as given."""
-    hot_expert: int = Field(0, ge=0)
-    skew: float = Field(2.0, ge=1)
+    hot_expert: int = Field(0, ge=0, le=MAX_HEADS)
+    skew: float = Field(2.0, ge=1, le=MAX_TOKENS)
     """hotspot: the hot expert's load as a multiple of the balanced load."""
     counts: list[int] | None = None
     """explicit: tokens per expert of one rank's micro batch (sum = micro_batch_size * seq_len * top_k)."""
@@ -304,9 +320,9 @@ class ValuesConfig(_Strict):
 
 
 class RankConfig(_Strict):
-    world_size: int = Field(1, ge=1)
-    rank: int = Field(0, ge=0)
-    local_rank: int | None = Field(None, ge=0)
+    world_size: int = Field(1, ge=1, le=MAX_RANKS)
+    rank: int = Field(0, ge=0, le=MAX_RANKS)
+    local_rank: int | None = Field(None, ge=0, le=MAX_RANKS)
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> RankConfig:
@@ -329,13 +345,13 @@ class JobConfig(_Strict):
     target_device: Literal["cuda", "cpu"] = "cuda"
     cuda: CudaRuntime = CudaRuntime()
     """A CUDA target's GPU, caching-allocator settings and runtime costs (defaults in hyperdryrun.world.runtime)."""
-    device_memory_gib: float | None = Field(None, gt=0)
-    margin_gib: float | None = Field(None, ge=0)
+    device_memory_gib: float | None = Field(None, gt=0, le=MAX_GIB)
+    margin_gib: float | None = Field(None, ge=0, le=MAX_GIB)
     """The verdict's margin in GiB: "at risk" within it under the capacity (hyperdryrun.allocator.verdict)."""
     margin_pct: float | None = Field(None, ge=0, le=100)
     """The verdict's margin in percent of the capacity; neither given: the model's measured device error."""
     output_dir: str = Field("hyperdryrun_out", min_length=1)
-    live_set_limit: int = Field(50, gt=0)
+    live_set_limit: int = Field(50, gt=0, le=1_000_000)
 
     @field_validator("output_dir")
     @classmethod
@@ -369,6 +385,41 @@ class JobConfig(_Strict):
                 f"margin_gib={self.margin_gib:g} and margin_pct={self.margin_pct:g}: give one margin "
                 "(--margin-gib or --margin-pct), not both"
             )
+        return self
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The device's capacity the verdict judges against: ``device_memory_gib``, else the named GPU's (a CUDA
+        target), else none."""
+        if self.device_memory_gib is not None:
+            return int(round(self.device_memory_gib * GIB))
+        if self.target_device == "cuda" and self.cuda.gpu is not None:
+            from hyperdryrun.world.gpus import gpu_preset
+
+            return gpu_preset(self.cuda.gpu).capacity_bytes
+        return None
+
+    @model_validator(mode="after")
+    def _capacity_fields(self) -> JobConfig:
+        """A margin needs a capacity to be under (and a ``gib`` one is less than it); the CUDA target's fields
+        (``--gpu``, ``--alloc-conf``, ...) need a CUDA target: otherwise they would be silently ignored."""
+        if self.target_device != "cuda":
+            for name, field in type(self.cuda).model_fields.items():
+                value = getattr(self.cuda, name)
+                if value != field.default:
+                    raise ValueError(
+                        f"cuda.{name}={value!r} has no effect with target_device={self.target_device!r} (it "
+                        "describes a CUDA target)"
+                    )
+        capacity = self.capacity_bytes
+        for name in ("margin_gib", "margin_pct"):
+            if capacity is None and getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name}={getattr(self, name):g} has no effect without a capacity (give --gpu or "
+                    "--device-memory-gib)"
+                )
+        if capacity is not None:
+            self.margin.bytes_for(capacity)  # a ValueError for a margin not under the capacity
         return self
 
     @model_validator(mode="after")
@@ -412,33 +463,50 @@ class JobConfig(_Strict):
                     f"do not fit one tensor (at most {TENSOR_BYTES // 8} 8-byte elements)"
                 )
 
-    def _check_effective(self) -> None:
-        """A field set away from its default that the rest of the configuration ignores is an error, not silence.
-
-        Judged on values, not on which keys were given, so that a config rebuilt from its own dump (the runner's
-        workers do) validates alike."""
+    def _ignored(self) -> dict[tuple[str, str], str]:
+        """The fields this configuration ignores, each with the reason: ``(section, field) -> why``."""
         t, v = self.training, self.values
-        if t.ac_selective != _default(TrainingConfig, "ac_selective") and t.ac != "selective":
-            raise ValueError(
-                f"training.ac_selective={t.ac_selective!r} has no effect with training.ac={t.ac!r} "
-                "(give training.ac: selective / --ac selective, or drop it)"
+        out: dict[tuple[str, str], str] = {}
+        if t.ac != "selective":
+            out["training", "ac_selective"] = (
+                f"has no effect with training.ac={t.ac!r} (give training.ac: selective / --ac selective, or drop it)"
             )
-        changed = {
-            f
-            for f in ("routing", "hot_expert", "skew", "counts")
-            if getattr(v, f) != _default(ValuesConfig, f)
-        }
-        if not self.model.is_moe and changed:
-            raise ValueError(
-                f"values.{sorted(changed)[0]}={getattr(v, sorted(changed)[0])!r} has no effect: "
-                f"{self.model.name!r} is a dense model (no experts)"
-            )
+        if not self.model.is_moe:
+            for f in ("routing", "hot_expert", "skew", "counts"):
+                out["values", f] = f"has no effect: {self.model.name!r} is a dense model (no experts)"
+            return out
         for name, routing in (("hot_expert", "hotspot"), ("skew", "hotspot"), ("counts", "explicit")):
-            if name in changed and v.routing != routing:
-                raise ValueError(
-                    f"values.{name}={getattr(v, name)} has no effect with values.routing={v.routing!r} (it is for "
-                    f"values.routing: {routing} / --routing {routing})"
+            if v.routing != routing:
+                out["values", name] = (
+                    f"has no effect with values.routing={v.routing!r} (it is for values.routing: {routing} / "
+                    f"--routing {routing})"
                 )
+        return out
+
+    def _check_effective(self) -> None:
+        """A field the rest of the configuration ignores is an error, not silence, when it was given (pydantic's
+        ``model_fields_set``: ``--ac none --ac-selective op`` too, though ``op`` is the default) or differs from its
+        default. A dump leaves the ignored fields that were not given out (:meth:`_without_ignored`), so that a
+        config rebuilt from its own dump (the runner's workers do) validates alike."""
+        for (section, name), why in self._ignored().items():
+            part = getattr(self, section)
+            value = getattr(part, name)
+            if name in part.model_fields_set or value != _default(type(part), name):
+                raise ValueError(f"{section}.{name}={value!r} {why}")
+
+    @model_serializer(mode="wrap")
+    def _without_ignored(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The dump, less the ignored fields that were not given (see :meth:`_check_effective`)."""
+        data = handler(self)
+        try:
+            ignored = self._ignored()
+        except Exception:  # a config being built (validate_assignment) may not be whole yet
+            return data
+        for section, name in ignored:
+            part = data.get(section)
+            if isinstance(part, dict) and name not in getattr(self, section).model_fields_set:
+                part.pop(name, None)
+        return data
 
     def _check_preset_choices(self, fsdp_off: bool) -> None:
         """The torchtitan choices of the built-in presets (chunked loss, FSDP units) where the layout uses them."""
@@ -502,7 +570,7 @@ def _format_error(err: ValidationError) -> str:
     loc = ".".join(str(x) for x in e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
     if "input" in e and not isinstance(e["input"], dict) and e["type"] not in ("value_error",):
-        return f"{loc}: {msg} (got {e['input']!r})" if loc else msg
+        return f"{loc}: {msg} (got {shown_number(e['input'])})" if loc else msg
     return f"{loc}: {msg}" if loc else msg
 
 
@@ -635,6 +703,12 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{where} is not valid YAML: {str(err).splitlines()[0]}") from None
     except RecursionError:
         raise ConfigError(f"{where} is nested deeper than Python can construct ({NESTING.hint})") from None
+    except ValueError as err:  # an integer past Python's digit limit (int_max_str_digits): no field takes it
+        if "digits" not in str(err):
+            raise
+        raise ConfigError(
+            f"{where} holds an integer of more than {sys.get_int_max_str_digits()} digits"
+        ) from None
     finally:
         if loader is not None:
             loader.dispose()

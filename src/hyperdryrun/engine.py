@@ -50,6 +50,68 @@ class SimulationError(RuntimeError):
         self.stage, self.error = stage, error
 
 
+def user_code_error(message: str) -> Exception:
+    """A mistake in the user's own callbacks (``model_fn`` returning a str, ``loss_fn`` returning None,
+    ``sys.exit()`` in the step): a :class:`~hyperdryrun.config.ConfigError`, so bad input (exit 2) on one line, not
+    an internal error."""
+    from hyperdryrun.config import ConfigError
+
+    return ConfigError(message)
+
+
+def exited(err: SystemExit) -> Exception:
+    """The :func:`user_code_error` of a ``sys.exit()`` the user's code called where a value was expected: exit 0
+    would claim a step that never ran, exit 1 an OOM."""
+    return user_code_error(
+        f"sys.exit({err.code!r}) was called by the job's own code: the step did not run (return from the "
+        "callbacks instead)"
+    )
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    name = type(value).__name__
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
+def checked_model(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise user_code_error(f"model_fn() returned {_kind(model)}, not a torch.nn.Module")
+    return model
+
+
+def checked_optimizer(optimizer: Any) -> Any:
+    """Something to step: an optimizer, or what the user's ``step_fn`` drives (a dict or list of optimizers, a
+    wrapper); None never (the step would fail on it with an AttributeError, reported as an internal error)."""
+    if optimizer is None:
+        raise user_code_error("optimizer_fn(params) returned None, not a torch.optim.Optimizer")
+    return optimizer
+
+
+def checked_batch(batch: Any, i: int) -> Any:
+    from torch.utils._pytree import tree_leaves
+
+    if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(batch)):
+        raise user_code_error(f"batch_fn({i}, device) returned {_kind(batch)} holding no tensor")
+    return batch
+
+
+def checked_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.dtype.is_floating_point:
+        raise user_code_error(
+            f"loss_fn(model, batch) returned {_kind(loss)}, not a scalar floating-point tensor to call backward() on"
+        )
+    if not loss.requires_grad:
+        raise user_code_error(
+            "loss_fn(model, batch) returned a tensor that does not require grad (not computed from the model's "
+            "parameters)"
+        )
+    return loss
+
+
 def dtensor_speedups() -> list[Patch]:
     """Patches that make torch's DTensor sharding propagation cheaper without changing any result
     (:func:`hyperdryrun.compat.torch_dtensor.strided_shard_flag_patches`; none where the release lacks what they
@@ -71,9 +133,16 @@ def micro_batch_step(
     def step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[Any]) -> None:
         for batch in batches:
             with context():
-                loss = loss_fn(model, batch) / num_micro_batches
+                loss = checked_loss(loss_fn(model, batch)) / num_micro_batches
                 loss.backward()
             del loss
+        if not (
+            callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))
+        ):
+            raise user_code_error(
+                f"optimizer_fn(params) returned {_kind(optimizer)}, not a torch.optim.Optimizer: the loss_fn step "
+                "calls its step() and zero_grad() (give a step_fn to drive several optimizers)"
+            )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -261,8 +330,13 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
                 trace.timings = timings
                 del model, optimizer
             trace.limitations += warned()  # what torch (or the model code) warned, once each, counted
-    except SimulationError:
+    except (
+        SimulationError,
+        BrokenPipeError,
+    ):  # a closed stdout under the job's own prints: 141, as the CLI's
         raise
+    except SystemExit as err:  # the user's code called sys.exit(): the step did not run, so not a success
+        raise SimulationError(stages[-1], exited(err)) from err
     except Exception as err:
         raise SimulationError(stages[-1], err) from err
     return trace
@@ -318,7 +392,7 @@ def prepare(
     stages = stages if stages is not None else []
     stages.append("model")
     with torch.device("meta"), recording_sites():
-        model = plan.model_fn()
+        model = checked_model(plan.model_fn())
     stages.append("parallelize")
     if plan.parallelize_fn is not None:
         model = plan.parallelize_fn(model, world.mesh) or model
@@ -331,7 +405,7 @@ def prepare(
         else:
             _finish_fsdp_lazy_init(model)
         stages.append("optimizer")
-        optimizer = plan.optimizer_fn([p for p in model.parameters() if p.requires_grad])
+        optimizer = checked_optimizer(plan.optimizer_fn([p for p in model.parameters() if p.requires_grad]))
         if real:
             stages.append("warm-up")
             plan.step_fn(model, optimizer, _batches(plan.batch_fn, plan.num_micro_batches, world.device))
@@ -345,7 +419,7 @@ def prepare(
 def _batches(batch_fn: BatchFn, num_micro_batches: int, device: str) -> Iterator[Any]:
     dev = torch.device(device)
     for i in range(num_micro_batches):
-        batch = batch_fn(i, dev)
+        batch = checked_batch(batch_fn(i, dev), i)
         yield batch
         del batch
 
@@ -369,7 +443,7 @@ def traced_step(
         for i in range(num_micro_batches):
             tracker.micro_batch = i
             with tracker.labelled(Category.OTHER):
-                batch = batch_fn(i, device)
+                batch = checked_batch(batch_fn(i, device), i)
             yield batch
             del batch
 

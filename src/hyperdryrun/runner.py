@@ -99,12 +99,13 @@ def error_kind(err: BaseException) -> str:
     from hyperdryrun.config import ConfigError
     from hyperdryrun.engine import SimulationError
     from hyperdryrun.measure.step import MeasureError
+    from hyperdryrun.world.simulated import WorldError  # the world's arguments: a script's mesh_shape
     from hyperdryrun.world.values import ValueRuleError
 
     cause = err.error if isinstance(err, SimulationError) else err
     return (
         BAD_INPUT
-        if isinstance(cause, ConfigError | MeasureError | ValueRuleError | AllocatorConfigError)
+        if isinstance(cause, ConfigError | MeasureError | ValueRuleError | AllocatorConfigError | WorldError)
         else INTERNAL
     )
 

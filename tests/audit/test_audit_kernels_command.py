@@ -84,9 +84,9 @@ def test_a_reference_that_disagrees_exits_1_naming_the_layer(tmp_path, capsys):
 @pytest.mark.parametrize(
     "content,expected",
     [
-        (None, "FileNotFoundError"),
+        (None, "no such file"),
         ('{"schema_version": 99, "layers": {}}', "schema_version=99"),
-        ("not json", "JSONDecodeError"),
+        ("not json", "invalid or truncated JSON at line 1 column 1"),
         ("[1, 2]", "a JSON list, expected an object with schema_version and layers"),
         ('"cuda"', "a JSON string"),
         ('{"schema_version": 1, "layers": [1]}', "layers: expected an object"),
@@ -101,7 +101,8 @@ def test_a_bad_reference_file_is_a_one_line_error_naming_the_flag_and_file_and_e
     if content is not None:
         path.write_text(content)
     assert run(["--reference", str(path)]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out == ""  # the error comes before the table (issue 30, item 10)
     assert err.startswith(f"hyperdryrun: error: --reference {path}: ") and expected in err
     assert err.count("\n") == 1 and "Traceback" not in err
 
@@ -167,3 +168,57 @@ def test_record_writes_what_the_audit_records_on_the_cuda_wheel(tmp_path, capsys
     written = out.read_text()
     assert json.loads(written)["layers"] == {"gelu_bf16": {"saved": []}, "silu_bf16": {"saved": []}}
     assert written.startswith('{\n "layers": {\n  "gelu_bf16"') and written.endswith("}\n")
+
+
+@pytest.mark.parametrize(
+    ("make", "env", "expected"),
+    [
+        (lambda p: "/dev/zero", {"HYPERDRYRUN_MAX_INPUT_BYTES": "4096"}, "larger than the limit of 4096 B"),
+        (lambda p: str(REFERENCE), {"HYPERDRYRUN_MAX_INPUT_BYTES": "100"}, "HYPERDRYRUN_MAX_INPUT_BYTES"),
+        (
+            lambda p: (p.write_text("[" * 100_000 + "]" * 100_000), str(p))[1],
+            {},
+            "nested deeper than 64 levels",
+        ),
+        (
+            lambda p: (p.write_text('{"a":' * 70 + "1" + "}" * 70), str(p))[1],
+            {},
+            "nested deeper than 64 levels",
+        ),
+    ],
+    ids=["dev-zero", "env-limit", "deep-list", "deep-object"],
+)
+def test_a_reference_is_read_within_the_input_limits(make, env, expected, tmp_path, capsys, monkeypatch):
+    """Issue 30, item 10: /dev/zero grew to 23 GB; the variable was ignored; deep nesting was a RecursionError."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    path = make(tmp_path / "ref.json")
+    assert run(["--reference", path]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and expected in err, err
+
+
+def test_batchnorm_an_audited_unmodelled_difference_is_known_when_its_bytes_agree(capsys, monkeypatch):
+    """The shipped reference (the README's command): BatchNorm runs cudnn_batch_norm on CUDA, native_batch_norm
+    here; the DIFFERENCES table says the bytes agree and only the op's name differs, so the row is "known" and the
+    exit code 0. The byte totals are still compared."""
+    monkeypatch.setenv("COLUMNS", "2000")
+    assert (
+        run(["--reference", str(REFERENCE), "--layers", "batchnorm_train_fp32", "batchnorm_eval_fp32"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("│ known ") == 2 and "DIFF" not in out
+    assert "audited difference 'BatchNorm'" in out
+
+
+def test_batchnorm_bytes_that_disagree_are_still_a_diff(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "2000")
+    data = json.loads(REFERENCE.read_text())
+    forward = data["layers"]["batchnorm_eval_fp32"]["forward"]
+    assert forward[0] == ["cudnn_batch_norm", [16384]]  # 2 x 32 x 8 x 8 fp32 elements
+    forward[0][1] = [16384 + 4]
+    bad = tmp_path / "ref.json"
+    bad.write_text(json.dumps(data))
+    assert run(["--reference", str(bad), "--layers", "batchnorm_eval_fp32"]) == 1
+    captured = capsys.readouterr()
+    assert "DIFF" in captured.out and "forward_bytes: reference 16388, simulated 16384" in captured.out

@@ -83,7 +83,7 @@ def test_bad_margins_are_one_line_errors_that_write_nothing(tmp_path, capsys, fl
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--margin-gib", "-0.5"], "--margin-gib: must be a number >= 0 (got -0.5)"),
+        (["--margin-gib", "-0.5"], "--margin-gib: must be a number from 0 to 1,048,576 (got -0.5)"),
         (["--margin-pct", "inf"], "--margin-pct: must be a number from 0 to 100 (got inf)"),
         (
             ["--margin-gib", "1", "--margin-pct", "2"],

@@ -97,8 +97,8 @@ def test_a_cpu_target_judges_allocated_bytes_with_the_same_margin():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"gib": -1}, "--margin-gib: must be a number >= 0 (got -1)"),
-        ({"gib": math.nan}, "--margin-gib: must be a number >= 0 (got nan)"),
+        ({"gib": -1}, "--margin-gib: must be a number from 0 to 1,048,576 (got -1)"),
+        ({"gib": math.nan}, "--margin-gib: must be a number from 0 to 1,048,576 (got nan)"),
         ({"pct": math.inf}, "--margin-pct: must be a number from 0 to 100 (got inf)"),
         ({"pct": 150}, "--margin-pct: must be a number from 0 to 100 (got 150)"),
         ({"gib": 1, "pct": 2}, "margin: give --margin-gib (1) or --margin-pct (2), not both"),

@@ -119,7 +119,7 @@ def test_states_over_the_capacity_are_pruned_without_a_simulation(capsys):
         (["--gpu", "h900"], "cuda.gpu (--gpu): gpu='h900'"),
         (["--device-memory-gib", "1", "--global-batch-tokens", "128"], "give exactly one"),
         (["--device-memory-gib", "1", "--ep", "2"], "--ep 2: expert parallel needs an MoE model"),
-        (["--device-memory-gib", "1", "--tp", "0"], "--tp [0]: must be integers >= 1"),
+        (["--device-memory-gib", "1", "--tp", "0"], "--tp [0]: must be integers from 1 to 16,777,216"),
         (["--device-memory-gib", "1", "--top", "-1"], "--top: must be >= 0 (got -1)"),
         (["--device-memory-gib", "1", "--n-layers", "0"], "model.n_layers (--n-layers)"),
     ],

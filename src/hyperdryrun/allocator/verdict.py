@@ -21,8 +21,9 @@ model's figure as it is, and then only OOM fails.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from hyperdryrun.bounds import MAX_GIB, check_number
 
 GIB = 1 << 30
 
@@ -55,17 +56,20 @@ class Margin:
             raise ValueError(
                 f"margin: give --margin-gib ({self.gib:g}) or --margin-pct ({self.pct:g}), not both"
             )
-        for name, value, top in (("--margin-gib", self.gib, math.inf), ("--margin-pct", self.pct, 100.0)):
-            if value is not None and not (
-                isinstance(value, int | float) and math.isfinite(value) and 0 <= value <= top
-            ):
-                bound = "a number >= 0" if top == math.inf else f"a number from 0 to {top:g}"
-                raise ValueError(f"{name}: must be {bound} (got {value!r})")
+        for name, value, top in (("--margin-gib", self.gib, MAX_GIB), ("--margin-pct", self.pct, 100.0)):
+            if value is not None:
+                check_number(name, value, 0, top)
 
     def bytes_for(self, capacity: int) -> int:
-        """The margin in bytes for a device of ``capacity`` bytes."""
+        """The margin in bytes for a device of ``capacity`` bytes; ``ValueError`` for a ``gib`` margin that is not
+        under the capacity (every peak would be "at risk")."""
         if self.gib is not None:
-            return int(round(self.gib * GIB))
+            margin = int(round(self.gib * GIB))
+            if margin >= capacity:
+                raise ValueError(
+                    f"--margin-gib {self.gib:g}: must be less than the capacity ({capacity / GIB:.2f} GiB)"
+                )
+            return margin
         fraction = DEVICE_ERROR_FRACTION if self.pct is None else self.pct / 100
         return int(round(fraction * capacity))
 

@@ -7,7 +7,6 @@ FILE``, no GPU needed); :func:`compare` records the simulation device (fake "cpu
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hyperdryrun.audit.backward import walk_backward
-from hyperdryrun.audit.diff import diff_layer
+from hyperdryrun.audit.diff import judge_layer
 from hyperdryrun.audit.layers import LAYERS
 from hyperdryrun.audit.recorder import OpRecorder, saved_tensors
 from hyperdryrun.compat.versions import torch_cuda_build, torch_version
@@ -113,15 +112,22 @@ def compare(reference: dict[str, Any], names: list[str] | None = None) -> dict[s
     return {
         name: None
         if "error" in reference["layers"][name]
-        else diff_layer(reference["layers"][name], simulated[name])
+        else judge_layer(name, reference["layers"][name], simulated[name])
         for name in names
     }
 
 
 def load_reference(path: str) -> dict[str, Any]:
-    """Read a reference record from ``path``: OSError or ValueError (not naming the path) when it is not one."""
-    with open(path, encoding="utf-8") as fh:
-        data = json.load(fh)
+    """Read a reference record from ``path``, within the input limits of :mod:`hyperdryrun.ingest.files` (its size,
+    ``HYPERDRYRUN_MAX_INPUT_BYTES``; its nesting): ValueError (not naming the path) when it is not one."""
+    from pathlib import Path
+
+    from hyperdryrun.ingest.files import IngestError, read_bytes, read_json
+
+    try:
+        data = read_json(Path(path), read_bytes(Path(path)))
+    except IngestError as err:
+        raise ValueError(err.problem) from None
     if not isinstance(data, dict):
         raise ValueError(
             f"not a kernel-audit reference: the file holds a JSON {_json_kind(data)}, "

@@ -9,7 +9,12 @@ Exit codes, the same for every command (a CI gate may read them):
 - 2 bad input: a flag, the job file, a value rule, an output directory that cannot be written;
 - 3 an internal error: one line (with the report path when one was written), ``--debug`` shows the traceback;
 - 130 interrupted by SIGINT (Ctrl-C), 143 stopped by SIGTERM: one line, nothing written after the signal;
-- 141 stdout was closed by its reader (``| head``), silently, as a shell reports SIGPIPE.
+- 141 stdout was closed by its reader (``| head``), silently, as a shell reports SIGPIPE (the user's script's own
+  prints included).
+
+A standard stream the shell closed (``>&-``) is ``/dev/null``: the command does its work and its exit code is its
+own. A stdout that refuses writes (``>/dev/full``) is one line and 2; a stderr that does (``2>/dev/full``) changes no
+exit code (:mod:`hyperdryrun.cli`).
 """
 
 from __future__ import annotations

@@ -63,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
 
     from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET, DIFFERENCES
 
+    reference = None
+    if args.reference:  # read and checked before anything is printed
+        from hyperdryrun.audit import load_reference
+
+        try:
+            reference = load_reference(args.reference)
+        except (OSError, ValueError) as err:
+            return fail(f"--reference {args.reference}: {err}", err, args.debug)
     console = Console()
     simulated = _simulated()
     console.print(
@@ -76,12 +84,12 @@ def run(args: argparse.Namespace) -> int:
     for d in DIFFERENCES:
         table.add_row(d.layer, d.cpu, d.cuda, d.handling)
     console.print(table)
-    if not args.reference:
+    if reference is None:
         return EXIT_OK
-    from hyperdryrun.audit import compare, describe_reference, load_reference
+    from hyperdryrun.audit import compare, describe_reference
+    from hyperdryrun.audit.diff import KnownDifference
 
     try:
-        reference = load_reference(args.reference)
         result = compare(reference, args.layers)
     except (OSError, ValueError) as err:
         return fail(f"--reference {args.reference}: {type(err).__name__}: {err}", err, args.debug)
@@ -96,10 +104,15 @@ def run(args: argparse.Namespace) -> int:
     for name, problems in result.items():
         if problems is None:
             results.add_row(name, "skipped", f"reference not recorded: {reference['layers'][name]['error']}")
+        elif isinstance(problems, KnownDifference):
+            why = f"audited difference '{problems.difference.layer}' ({problems.difference.handling}); bytes agree"
+            results.add_row(name, "known", "\n".join([why, *problems]))
         else:
             results.add_row(name, "DIFF" if problems else "ok", "\n".join(problems))
     console.print(results)
-    bad = sorted(name for name, problems in result.items() if problems)
+    bad = sorted(
+        name for name, problems in result.items() if problems and not isinstance(problems, KnownDifference)
+    )
     if bad:
         sys.stderr.write(f"hyperdryrun: audit-kernels: {len(bad)} layer(s) differ: {', '.join(bad)}\n")
         return EXIT_VERDICT

@@ -120,6 +120,13 @@ def run_replay(args: argparse.Namespace) -> int:
     debug = getattr(args, "debug", False)
     try:
         data = load_snapshot(args.replay)
+        if isinstance(data, dict) and data.get("hyperdryrun_tensors_only"):
+            raise IngestError(
+                args.replay,
+                "a snapshot HyperDryRun wrote from a report: it holds the report's tensors only, its segments made "
+                "to hold them, not a caching allocator's events to replay (replay one torch recorded: "
+                "torch.cuda.memory._dump_snapshot)",
+            )
         result = replay_snapshot(data, str(args.replay), args.device, cold=args.cold)
     except IngestError as err:
         return fail(str(err), err, debug)

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION
+from hyperdryrun.bounds import MAX_GIB, MAX_GLOBAL_SEQS, shown_number
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
 from hyperdryrun.commands.job import _BOOL, RUN_FLAGS, _dest, _set, naming_flag
-from hyperdryrun.commands.preflight import check_output_dir, check_output_file
+from hyperdryrun.commands.preflight import check_output_dir, check_output_file, check_world_size
 from hyperdryrun.config import ConfigError, build_config, load_yaml, rank_from_env
 from hyperdryrun.search.space import DEFAULT_TOP
 
@@ -176,6 +177,7 @@ def _world_size(data: dict[str, Any], args: argparse.Namespace) -> None:
         )
     size = args.world_size if args.world_size is not None else env
     if size is not None:
+        check_world_size(size, "--world-size" if args.world_size is not None else "WORLD_SIZE")
         _set(data, "world.world_size", size)
     elif (data.get("world") or {}).get("world_size") is None:
         raise ConfigError(
@@ -209,14 +211,11 @@ def _target(args: argparse.Namespace) -> Any:
         raise ConfigError(
             "--gpu or --device-memory-gib: give the device (a GPU preset or its capacity in GiB)"
         )
-    try:
-        return target_from_args(args)
-    except ConfigError as err:
-        if "device_memory_gib" in str(err):  # inf passes pydantic's > 0: the target's own check says finite
-            raise ConfigError(
-                f"--device-memory-gib: must be a finite number > 0 (got {args.device_memory_gib})"
-            ) from None
-        raise
+    if args.device_memory_gib is not None and not 0 < args.device_memory_gib <= MAX_GIB:  # NaN fails too
+        raise ConfigError(
+            f"--device-memory-gib: must be a number > 0 and at most {MAX_GIB:,.0f} (got {args.device_memory_gib})"
+        )
+    return target_from_args(args)
 
 
 def _global_seqs(args: argparse.Namespace, seq_len: int) -> int:
@@ -226,12 +225,19 @@ def _global_seqs(args: argparse.Namespace, seq_len: int) -> int:
     if seqs is not None:
         if seqs < 1:
             raise ConfigError(f"--global-batch-seqs: must be >= 1 (got {seqs})")
+        _at_most("--global-batch-seqs", seqs, MAX_GLOBAL_SEQS)
         return seqs
+    _at_most("--global-batch-tokens", tokens, MAX_GLOBAL_SEQS * seq_len)
     if tokens < 1 or tokens % seq_len:
         raise ConfigError(
             f"--global-batch-tokens: {tokens} is not a positive multiple of --seq-len {seq_len}"
         )
     return tokens // seq_len
+
+
+def _at_most(flag: str, value: int, top: int) -> None:
+    if value > top:
+        raise ConfigError(f"{flag}: must be at most {top:,} (got {shown_number(value)})")
 
 
 def _rates(args: argparse.Namespace, target: Any) -> Any:
@@ -292,7 +298,7 @@ def run_fit(args: argparse.Namespace) -> int:
         cache = ResultCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
         for flag, path in (("--json", args.json), ("--csv", args.csv)):
             if path:
-                check_output_file(path, flag)
+                check_output_file(path, flag, inputs=(args.config, getattr(args, "hf_config", None)))
         if args.json and args.csv and os.path.abspath(args.json) == os.path.abspath(args.csv):
             raise ConfigError(f"--json and --csv: both name {args.json!r}; give two files")
         executor = executor_for(args.executor, args.jobs, args.ray_address)

@@ -24,6 +24,21 @@ WORLD_SIZE = Limit("HYPERDRYRUN_MAX_WORLD_SIZE", 65_536, "the world size a run s
 """The largest world a run simulates (:func:`hyperdryrun.commands.job.check_host_cost`)."""
 
 
+def check_world_size(size: int, flag: str) -> None:
+    """``size`` ranks are within :data:`WORLD_SIZE` (``fit`` lays out a world as ``run`` simulates one)."""
+    from hyperdryrun.bounds import shown_number
+
+    try:
+        limit = WORLD_SIZE.value()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if size > limit:
+        raise ConfigError(
+            f"{flag} {shown_number(size)}: is more than the limit of {limit} ranks ({WORLD_SIZE.hint}); the "
+            "simulated world's setup grows with it"
+        )
+
+
 def check_limits(environ: Mapping[str, str] | None = None) -> None:
     """Every ``HYPERDRYRUN_MAX_*`` variable that is set is a positive integer (each bounds what one input may cost;
     a malformed one would otherwise surface only when the first file is read)."""
@@ -69,9 +84,44 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
+NAME_MAX, PATH_MAX = 255, 4096
+"""The longest file name (bytes, one path component) and path Linux and macOS file systems take."""
+
+
+def check_name(path: str | os.PathLike, flag: str) -> None:
+    """Every component of ``path`` is a name the file system can take (at most :data:`NAME_MAX` bytes, the path
+    :data:`PATH_MAX`), and the path holds no NUL: otherwise the write fails with ``File name too long`` after the
+    work."""
+    text = os.fspath(path)
+    if str(text) == "-":
+        raise ConfigError(f"{flag} '-': writes a file, not stdout; name a file (./- for one named '-')")
+    if "\0" in str(text):
+        raise ConfigError(f"{flag} {str(text)!r}: a path cannot hold a NUL character")
+    raw = os.fsencode(os.path.abspath(text))
+    if len(raw) >= PATH_MAX:
+        raise ConfigError(
+            f"{flag} {str(text)[:60]!r}...: the path is {len(raw)} bytes; the limit is {PATH_MAX - 1}"
+        )
+    for part in raw.split(b"/"):
+        if len(part) > NAME_MAX:
+            name = os.fsdecode(part)
+            raise ConfigError(
+                f"{flag} {str(text)[:60]!r}...: the name {name[:40]!r}... is {len(part)} bytes; a file name may have at "
+                f"most {NAME_MAX}"
+            )
+
+
 def check_output_dir(path: str | os.PathLike, flag: str) -> None:
     """``path`` is a directory this process may write into, or one it can create: one line naming ``flag``
     otherwise."""
+    check_name(path, flag)
+    try:
+        _check_output_dir(path, flag)
+    except OSError as err:  # a stat refused on the way (a directory above it without search permission)
+        raise ConfigError(f"{flag} {str(path)!r}: cannot write there ({err.strerror or err})") from None
+
+
+def _check_output_dir(path: str | os.PathLike, flag: str) -> None:
     p = Path(os.path.abspath(path))
     if p.is_dir():
         if not os.access(p, os.W_OK | os.X_OK):
@@ -86,9 +136,59 @@ def check_output_dir(path: str | os.PathLike, flag: str) -> None:
         raise ConfigError(f"{flag} {str(path)!r}: cannot create it in {str(base)!r} (permission denied)")
 
 
-def check_output_file(path: str | os.PathLike, flag: str, make_parent: bool = False) -> None:
-    """``path`` can be replaced by a new file (written beside it and renamed over it): not a directory, its parent
-    an existing writable directory (or, with ``make_parent``, one that can be created)."""
+def files_read(path: str | os.PathLike) -> list[Path]:
+    """The files that reading the input ``path`` may open: the file itself and the report pair beside it (a
+    report's ``.json`` reads its ``.csv``, and the reverse); for a run's output directory, every
+    ``rank_<r>/`` file in it. Only those that exist."""
+    p = Path(path)
+    if p.is_dir():
+        return sorted(f for f in p.glob("rank_*/rank_*") if f.is_file())
+    pair = [p, p.with_suffix(".csv"), p.with_suffix(".json")] if p.suffix in (".json", ".csv") else [p]
+    return [f for f in pair if f.is_file()]
+
+
+def check_not_input(path: str | os.PathLike, flag: str, inputs: Iterable[str | os.PathLike | None]) -> None:
+    """``path`` is none of the files the command reads (:func:`files_read` of each input; the same file by any
+    name: a symlink, a hard link, ``./x``): a report written over its own input would replace a good report with
+    something else (issue 30)."""
+    if not os.path.lexists(path):
+        return
+    for given in inputs:
+        if given is None:
+            continue
+        for f in files_read(given):
+            try:
+                same = os.path.samefile(path, f)
+            except OSError:
+                same = os.path.realpath(path) == os.path.realpath(f)
+            if same:
+                which = (
+                    repr(str(given)) if Path(f) == Path(given) else f"{str(f)!r}, read with {str(given)!r}"
+                )
+                raise ConfigError(
+                    f"{flag} {str(path)!r}: is an input of this command ({which}); writing it would replace what is "
+                    "read: name another file"
+                )
+
+
+def check_output_file(
+    path: str | os.PathLike,
+    flag: str,
+    make_parent: bool = False,
+    inputs: Iterable[str | os.PathLike | None] = (),
+) -> None:
+    """``path`` can be replaced by a new file (written beside it and renamed over it): not a directory, not one of
+    the files read from ``inputs`` (:func:`check_not_input`), its parent an existing writable directory (or, with
+    ``make_parent``, one that can be created)."""
+    check_name(path, flag)
+    try:
+        check_not_input(path, flag, inputs)
+        _check_output_file(path, flag, make_parent)
+    except OSError as err:  # a stat refused on the way (a directory above it without search permission)
+        raise ConfigError(f"{flag} {str(path)!r}: cannot write there ({err.strerror or err})") from None
+
+
+def _check_output_file(path: str | os.PathLike, flag: str, make_parent: bool) -> None:
     p = Path(os.path.abspath(path))
     shown = str(path)
     if p.is_dir():

@@ -66,7 +66,10 @@ def run(args: argparse.Namespace) -> int:
     compare = args.compare is not None
     html = Path(args.html) if args.html else default_html(args.input, compare)
     try:
-        check_output_file(html, "--html" if args.html else f"the page ({html})", make_parent=True)
+        inputs = [args.input, args.compare]
+        check_output_file(
+            html, "--html" if args.html else f"the page ({html})", make_parent=True, inputs=inputs
+        )
         if args.plot is not None:
             check_output_dir(args.plot, "--plot")
             from hyperdryrun.viz.plots import require_matplotlib
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
             plots = render_plots(sides, args.plot, compare=compare)
             for path, _ in plots:
-                check_output_file(path, "--plot", make_parent=True)
+                check_output_file(path, "--plot", make_parent=True, inputs=inputs)
             files += plots
         write_together(files)  # all or none: an earlier page and plots stay if one cannot be written
     except (VizInputError, MissingExtra, ConfigError) as err:

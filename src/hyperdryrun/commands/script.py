@@ -141,6 +141,8 @@ def run_script_rank(options: dict[str, Any]) -> Any:
         outcome = run_rank(cfg, capture_stacks=options["capture_stacks"], execute=execute)
     except (ScriptError, ConfigError) as err:
         return RankOutcome(rank, error=str(err), error_kind=BAD_INPUT)
+    except BrokenPipeError:  # the script's own prints into a closed stdout (``| head``): 141, quietly
+        raise
     except Exception as err:  # outside the step: in the script's loading or the reports
         return RankOutcome(
             rank, error=f"rank {rank}: {type(err).__name__}: {err}", error_kind=error_kind(err)

@@ -39,7 +39,9 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.output) if args.output else default_output(args.input)
     try:
-        check_output_file(out, "--output", make_parent=True)  # before the input is read and converted
+        check_output_file(
+            out, "--output", make_parent=True, inputs=[args.input]
+        )  # before the input is read and converted
         side = load_side(args.input, device=args.device)
         if side.trace is None:
             raise VizInputError(

@@ -135,7 +135,13 @@ def bounded_int(text: str) -> int:
     """``int(text)`` for an integer of an input file: a ValueError (naming it shortly) when it is not one, or when
     its magnitude is 2**64 or more, checked on its length first (Python refuses to convert beyond 4,300 digits, and
     converting a long one is quadratic)."""
-    digits = text.strip().lstrip("+-").lstrip("0")
+    body = text.strip()
+    body = body[1:] if body[:1] in "+-" else body
+    if not (
+        body.isascii() and body.isdigit()
+    ):  # Python's int() also takes '1_000' and '١' (Arabic-Indic one)
+        raise ValueError(f"{shown(text)} is not an integer (ASCII digits 0-9)")
+    digits = body.lstrip("0")
     if len(digits) > _INT_DIGITS or abs(value := int(text)) >= INT_LIMIT:
         cut = text if len(text) <= 30 else f"{text[:20]}... ({len(text):,} characters)"
         raise ValueError(f"integer {cut} is out of range (magnitude 2**64 or more)")

@@ -133,6 +133,10 @@ _LOADED: dict[str, LoadedScript] = {}
 
 def _where(err: BaseException, path: str | None) -> str:
     """`` (train.py:12)``: the innermost frame of the error in the script's file (or in any file, without one)."""
+    if (
+        isinstance(err, SyntaxError) and err.filename
+    ):  # the place is the error's own, not a frame's (importlib)
+        return f" ({Path(err.filename).name}:{err.lineno})"
     frames = traceback.extract_tb(err.__traceback__)
     mine = [f for f in frames if path is not None and os.path.abspath(f.filename) == path] or frames[-1:]
     return f" ({Path(mine[-1].filename).name}:{mine[-1].lineno})" if mine else ""
@@ -181,7 +185,7 @@ def load_script(spec: str) -> LoadedScript:
         except ScriptError:
             raise
         except BaseException as err:
-            if isinstance(err, KeyboardInterrupt):
+            if isinstance(err, KeyboardInterrupt | BrokenPipeError):  # 130; 141 for its prints into `| head`
                 raise
             file = os.path.abspath(path) if path is not None else None
             raise ScriptError(
@@ -298,8 +302,12 @@ def _call(loaded: LoadedScript, fn: Callable[..., Any], what: str, *args: Any) -
         takes = True
     try:
         return fn(*args) if takes else fn()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, BrokenPipeError):
         raise
+    except SystemExit as err:
+        raise ScriptError(
+            f"script: {what} of {loaded.label!r} called sys.exit({err.code!r}): return the job instead"
+        ) from err
     except Exception as err:
         file = inspect.getsourcefile(fn)
         raise ScriptError(
@@ -413,7 +421,12 @@ class ScriptExecute:
         job = job_arguments(loaded, launch)
         job.pop(RANK_CLASS, None)
         cuda = job.pop("cuda", None)
-        job.pop("target_device", None)
+        target = job.pop("target_device", None)
+        if target is not None and target != cfg.target_device:
+            raise ScriptError(
+                f"script: {loaded.label!r} gives target_device={target!r}, but the run's is {cfg.target_device!r}: "
+                "the command line's --target-device (cuda or cpu) decides; drop it from the job or give the flag"
+            )
         if cuda is not None and cfg.cuda == type(cfg.cuda)():
             runtime = cuda  # the script's, where the command line gave no --gpu / --alloc-conf
         else:

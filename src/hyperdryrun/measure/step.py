@@ -8,9 +8,13 @@ tensors and the fake process group: collectives allocate their outputs but move 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import sys
+import tempfile
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import Any, Unpack
 
 import torch
@@ -28,6 +32,7 @@ from hyperdryrun.engine import (
     job_plan,
     prepare,
     run_metadata,
+    warnings_as_limitations,
 )
 from hyperdryrun.ingest.events import trace_from_events
 from hyperdryrun.ingest.profiler import events_from_profiler, mark, mark_micro_batch, resident_events
@@ -110,7 +115,8 @@ def measure_plan(
     t0 = time.perf_counter()
     try:
         world = plan.world(target_device=device, simulation_device=device)
-        with world:
+        # torch's warnings (FSDP2's "returned a view tensor") go to the report's limitations, as run's do
+        with world, warnings_as_limitations() as warned:
             model, optimizer = prepare(world, plan, stages, real=True)
             timings["setup"] = time.perf_counter() - t0
             stages.append("step")
@@ -158,9 +164,48 @@ def measure_plan(
             )
             trace.modules = module_stats(model, trace)
             del model, optimizer
+            trace.limitations += warned()
     except Exception as err:
         raise SimulationError(stages[-1], err) from err
     return trace
+
+
+@contextlib.contextmanager
+def kineto_lines_dropped() -> Iterator[None]:
+    """While inside, what is written to file descriptor 2 is held back, and on exit written to stderr less
+    Kineto's ``USDT: ... profiler_start`` / ``profiler_stop`` lines, which its C++ code prints whenever a profiler
+    starts or stops: noise on the terminal of a command that keeps it clean. Only around the profiler's start and
+    stop, so that nothing of the step itself is held back."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield  # no stderr to keep clean
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read().decode("utf-8", "replace")
+            kept = [line for line in text.splitlines(keepends=True) if not line.startswith("USDT:")]
+            if kept:
+                sys.stderr.write("".join(kept))
+
+
+@contextlib.contextmanager
+def _quiet(prof: Any) -> Iterator[Any]:
+    """``with prof``, its start and stop under :func:`kineto_lines_dropped`."""
+    with kineto_lines_dropped():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with kineto_lines_dropped():
+            prof.__exit__(None, None, None)
 
 
 def _marked_batches(plan: JobPlan, device: torch.device) -> Generator[Any, None, None]:
@@ -229,11 +274,13 @@ def _profile_step(
     roles = RoleMarker(mark, gradients_on_accumulation=gradients_on_accumulation)
     with (
         roles.hooked(),
-        profile(
-            activities=[ProfilerActivity.CPU],
-            profile_memory=True,
-            record_shapes=True,
-            with_stack=True,  # also what names modules (nn.Module calls are Python-tracer events)
+        _quiet(
+            profile(
+                activities=[ProfilerActivity.CPU],
+                profile_memory=True,
+                record_shapes=True,
+                with_stack=True,  # also what names modules (nn.Module calls are Python-tracer events)
+            )
         ) as prof,
     ):
         step_fn(model, optimizer, batches)

@@ -8,6 +8,7 @@ parallelized from outside by :mod:`hyperdryrun.parallel.hf`. transformers is an 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,56 @@ def check_fields(args: HFArgs) -> None:
     known = getattr(getattr(mapping, "configuration_auto", None), "CONFIG_MAPPING_NAMES", None)
     if known is not None and args.model_type not in known:
         raise bad("model_type", "not a model type this transformers knows")
+    for key, value in args.config.items():
+        if _non_finite(value):
+            raise bad(key, "must be a finite number (JSON has no NaN or Infinity)")
+    problem = _CHECKED.get(key_ := (args.name, json.dumps(args.config, sort_keys=True, default=str)))
+    if key_ not in _CHECKED:
+        problem = _CHECKED[key_] = _causal_lm_problem(args)
+    if problem is not None:
+        raise bad(*problem) if isinstance(problem, tuple) else ValueError(problem)
+
+
+_CHECKED: dict[tuple[str, str], Any] = {}
+""":func:`_causal_lm_problem` of each config checked in this process (a search checks the same one per candidate)."""
+
+
+def _non_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
+def _causal_lm_problem(args: HFArgs) -> tuple[str, str] | str | None:
+    """Why transformers cannot build ``args``'s config as the decoder-only causal LM the dry run parallelizes
+    (``model.model.layers``): transformers' own refusal (``rope_scaling`` without its keys), no causal-LM class
+    (T5), or one that keeps its layers elsewhere (BERT's ``bert.encoder.layer``, GPT-2's ``transformer.h``); None
+    when it can. Found here, with the job's other checks, not as an internal error half-way through the step."""
+    try:
+        config = args.hf_config()
+    except ValueError as err:
+        return str(err)
+    except (
+        Exception
+    ) as err:  # transformers' own validators (huggingface_hub's StrictDataclass...) on the file
+        first = str(err).splitlines()[0] if str(err) else ""
+        return f"--model {args.name}: transformers cannot build this config: {type(err).__name__}: {first}"
+    mapping = transformers_module().AutoModelForCausalLM._model_mapping
+    cls = mapping[type(config)] if type(config) in mapping else None
+    if cls is None:
+        return ("model_type", "has no causal language model in transformers (AutoModelForCausalLM)")
+    prefix = getattr(cls, "base_model_prefix", None)
+    if prefix != "model":
+        return (
+            "model_type",
+            f"{cls.__name__} keeps its layers under {prefix!r}, not 'model.layers': not the decoder-only layout "
+            "the dry run parallelizes (Llama, Qwen, Mixtral, ...)",
+        )
+    return None
 
 
 def transformers_module() -> Any:

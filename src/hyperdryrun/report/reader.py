@@ -186,7 +186,7 @@ def _own_csv_text(csv_path: Path, expected: Any) -> str | None:
             f"{expected.get('bytes')} B, sha256 {expected['sha256'][:12]})",
         )
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise IngestError(csv_path, "not UTF-8 text (not a memory-block CSV)") from None
 
@@ -196,7 +196,7 @@ def load_csv(path: Path, text: str | None = None) -> StepTrace:
     if text is None:
         raw = read_bytes(path)
         try:
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8-sig")
         except UnicodeDecodeError:
             raise IngestError(path, "not UTF-8 text (not a memory-block CSV)") from None
     return trace_from_csv(csv.reader(io.StringIO(text)), str(path))
@@ -210,9 +210,17 @@ def _stack(text: str) -> tuple[tuple[str, int, str], ...]:
     return tuple(frames)
 
 
+def _int(row: list[str], column: int) -> int:
+    """An integer cell, with the column named when it is not one."""
+    try:
+        return bounded_int(row[column])
+    except ValueError as err:
+        raise ValueError(f"{CSV_COLUMNS[column]}: {err}") from None
+
+
 def _count(row: list[str], column: int) -> int:
     """A non-negative integer cell (a task index or a size), with the column named when it is not."""
-    value = bounded_int(row[column])
+    value = _int(row, column)
     if value < 0:
         raise ValueError(f"{CSV_COLUMNS[column]} must be >= 0 (got {value})")
     return value
@@ -238,15 +246,15 @@ def _block_of_row(row: list[str], block_id: int, stacks: FrameTable) -> Block:
         phase=Phase(row[14]),
         module=row[16],
         stack_id=stacks.intern(_stack(row[19])),
-        addr=bounded_int(row[4]),
+        addr=_int(row, 4),
         end=end,
         category=Category(row[12]),
         users=tasks,
-        used_after_alloc=bounded_int(row[8]),
-        peak_after_alloc=bounded_int(row[9]),
+        used_after_alloc=_int(row, 8),
+        peak_after_alloc=_int(row, 9),
         start_plot=float(row[2]),
         end_plot=float(row[3]),
-        stream=bounded_int(row[5]),
+        stream=_int(row, 5),
     )
 
 
@@ -351,7 +359,7 @@ def load_any(path: str | os.PathLike, device: str | None = None) -> StepTrace | 
             return trace_from_chrome(data, str(p), device)
         raise IngestError(p, "JSON that is neither a HyperDryRun report nor a Chrome trace")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise IngestError(p, "unrecognised file (not JSON, CSV or a snapshot pickle)") from None
     return load_csv(p, text)

@@ -64,13 +64,20 @@ class ResultCache:
         return self.directory / kind / key[:2] / f"{key}.json.gz"
 
     def get(self, kind: str, key: str) -> dict[str, Any] | None:
+        """The entry, or None (a miss) when there is none or it is not one this code wrote: read within the input
+        limits (size, gzip expansion, nesting: :mod:`hyperdryrun.ingest.files`) and checked field by field
+        (:func:`valid_entry`) before it is trusted: a byte count edited to -5 is re-simulated, not a layout that
+        "fits" at -0.00 GiB."""
         if self.directory is None:
             return None
+        from hyperdryrun.ingest.files import IngestError, read_bytes, read_json
+
+        path = self._path(kind, key)
         try:
-            with gzip.open(self._path(kind, key), "rt") as f:
-                return json.load(f)
-        except (OSError, ValueError, EOFError):
+            value = read_json(path, read_bytes(path))
+        except (IngestError, OSError, ValueError, EOFError, RecursionError):
             return None
+        return value if valid_entry(kind, value) else None
 
     def put(self, kind: str, key: str, value: dict[str, Any]) -> None:
         """Store ``value`` (atomically); a cache that cannot be written is skipped, not an error."""
@@ -86,3 +93,65 @@ class ResultCache:
             os.replace(tmp, path)
         except OSError:
             return
+
+
+def _count(v: Any) -> bool:
+    """A byte count (or an index): a non-negative int, not a bool."""
+    return type(v) is int and v >= 0
+
+
+def _opt(v: Any, check: Any) -> bool:
+    return v is None or check(v)
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _counts_by_name(v: Any) -> bool:
+    return isinstance(v, dict) and all(_text(k) and _count(n) for k, n in v.items())
+
+
+def _valid_figures(d: dict[str, Any]) -> bool:
+    """:meth:`hyperdryrun.search.extrapolate.StepFigures.to_dict`'s fields, each of its type, byte counts >= 0."""
+    phases = d.get("phases")
+    return (
+        all(_count(d.get(k)) for k in ("peak_bytes", "initial_bytes", "current_bytes"))
+        and all(_opt(d.get(k), _count) for k in ("peak_reserved_bytes", "peak_device_bytes"))
+        and all(_opt(d.get(k), _text) for k in ("peak_phase", "peak_op"))
+        and _text(d.get("method", "")) and _text(d.get("detail", ""))
+        and _counts_by_name(d.get("breakdown_at_peak")) and _counts_by_name(d.get("breakdown_after_step"))
+        and isinstance(phases, dict)
+        and all(
+            isinstance(p, dict) and _count(p.get("peak_bytes")) and _opt(p.get("peak_op"), _text)
+            and _counts_by_name(p.get("breakdown_at_peak"))
+            for p in phases.values()
+        )
+    )  # fmt: skip
+
+
+def _valid_samples(d: dict[str, Any]) -> bool:
+    """:meth:`hyperdryrun.search.extrapolate.SampleTable.to_dict`'s rows, phases and scalars."""
+    rows, phases, scalars = d.get("rows"), d.get("phases"), d.get("scalars")
+    return (
+        isinstance(rows, list)
+        and all(
+            isinstance(r, list) and len(r) == 6 and _count(r[0]) and _text(r[1]) and _opt(r[2], _count)
+            and _opt(r[3], _text) and _text(r[4]) and isinstance(r[5], list) and all(map(_count, r[5]))
+            for r in rows
+        )
+        and isinstance(phases, list) and all(map(_text, phases))
+        and isinstance(scalars, list) and all(map(_count, scalars))
+    )  # fmt: skip
+
+
+def valid_entry(kind: str, value: Any) -> bool:
+    """Whether ``value`` is an entry of ``kind`` as this code writes it (``figures`` or ``samples``); another
+    kind is checked only for being an object."""
+    if not isinstance(value, dict):
+        return False
+    if kind == "figures":
+        return _valid_figures(value)
+    if kind == "samples":
+        return _valid_samples(value)
+    return True

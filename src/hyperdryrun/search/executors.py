@@ -193,7 +193,9 @@ class RayExecutor:
         try:
             import ray
         except ImportError:
-            raise RuntimeError(
+            from hyperdryrun.config import ConfigError
+
+            raise ConfigError(  # bad input (exit 2), as a missing matplotlib for --plot
                 "--executor ray needs Ray: pip install 'hyperdryrun[ray]' (on this machine and on the cluster)"
             ) from None
         self._ray = ray

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hyperdryrun.bounds import MAX_MICRO_BATCHES, MAX_RANKS, MAX_TOKENS, shown_number
 from hyperdryrun.parallel.dims import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, V_SCHEDULES, ParallelDims
 
 if TYPE_CHECKING:
@@ -45,16 +46,21 @@ class SearchSpace:
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "dp_replicate", "pp_virtual_stages", "micro_batch_sizes"):
             values = getattr(self, name)
-            if not values or any(not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"search.{name}={list(values)}: must be integers >= 1")
+            top = MAX_TOKENS if name == "micro_batch_sizes" else MAX_RANKS
+            if not values or any(not isinstance(v, int) or not 1 <= v <= top for v in values):
+                shown = ", ".join(map(shown_number, values))
+                raise ValueError(f"search.{name}=[{shown}]: must be integers from 1 to {top:,}")
         for s in self.pp_schedules:
             if s not in PIPELINE_SCHEDULES:
                 raise ValueError(f"search.pp_schedules: {s!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
         for a in self.ac:
             if a not in AC_MODES:
                 raise ValueError(f"search.ac: {a!r} is not one of {', '.join(AC_MODES)}")
-        if self.max_micro_batches < 1:
-            raise ValueError(f"search.max_micro_batches={self.max_micro_batches}: must be >= 1")
+        if not 1 <= self.max_micro_batches <= MAX_MICRO_BATCHES:
+            raise ValueError(
+                f"search.max_micro_batches={shown_number(self.max_micro_batches)}: must be from 1 to "
+                f"{MAX_MICRO_BATCHES:,}"
+            )
 
 
 @dataclass(frozen=True)

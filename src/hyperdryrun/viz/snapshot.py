@@ -320,4 +320,9 @@ def write_snapshot(
     local = meta.get("local_rank", 0)
     device = local if isinstance(local, int) and not isinstance(local, bool) and local >= 0 else 0
     data = build_snapshot(trace, segments, device)
-    return write_atomic(path, pickle.dumps(data, protocol=PICKLE_PROTOCOL))
+    raw = pickle.dumps(data, protocol=PICKLE_PROTOCOL)
+    if os.fspath(path).endswith(".gz"):  # what the name says (a stable header: the same bytes every time)
+        import gzip
+
+        raw = gzip.compress(raw, mtime=0)
+    return write_atomic(path, raw)

@@ -43,6 +43,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hyperdryrun.allocator.options import ENV_VARS, AllocatorConfigError, AllocatorOptions
+from hyperdryrun.bounds import MAX_GIB
 from hyperdryrun.compat.torch_cublas import CUBLAS_ENV, cublas_config_bytes
 from hyperdryrun.world.cuda_target import CudaTarget
 from hyperdryrun.world.gpus import DEFAULT_GPU, GPU_PRESETS, MiB, cublas_workspace_bytes, gpu_preset
@@ -72,11 +73,11 @@ class CudaRuntime(BaseModel):
     """PYTORCH_CUDA_ALLOC_CONF syntax; None: the variable as torch reads it (or torch's defaults)."""
     cublas_workspace_config: str | None = None
     """CUBLAS_WORKSPACE_CONFIG syntax (``:4096:8``); None: the variable, else the GPU's default."""
-    nccl_buffsize: int | None = Field(None, gt=0)
+    nccl_buffsize: int | None = Field(None, gt=0, le=1 << 40)
     """NCCL_BUFFSIZE in bytes (the Simple protocol's buffer); None: the variable, else 4 MiB."""
-    nccl_channels: int = Field(DEFAULT_NCCL_CHANNELS, gt=0)
+    nccl_channels: int = Field(DEFAULT_NCCL_CHANNELS, gt=0, le=1024)
     """Channels per NCCL communicator in the buffer estimate."""
-    context_mib: float = Field(DEFAULT_CONTEXT_MIB, ge=0)
+    context_mib: float = Field(DEFAULT_CONTEXT_MIB, ge=0, le=MAX_GIB * 1024)
     """CUDA context and loaded kernels, MiB."""
 
     @field_validator("gpu")

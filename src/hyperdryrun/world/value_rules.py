@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hyperdryrun.bounds import MAX_HEADS, MAX_TOKENS
+
 ROUTING_OP = "moe.token_counts"
 """The value point of MoE routing: tokens per expert of one rank's micro batch."""
 ROUTING_HANDLERS = ("balanced", "hotspot", "explicit")
@@ -28,8 +30,8 @@ class ValueRule(BaseModel):
     module: str = "*"
     op: str = "*"
     handler: Literal["balanced", "hotspot", "explicit", "branch", "value", "size"]
-    hot_expert: int = Field(0, ge=0)
-    skew: float = Field(2.0, ge=1)
+    hot_expert: int = Field(0, ge=0, le=MAX_HEADS)
+    skew: float = Field(2.0, ge=1, le=MAX_TOKENS)
     """hotspot: the hot expert's tokens as a multiple of the balanced load (capped at one per token)."""
     counts: list[int] | None = None
     """explicit: tokens per expert of one rank's micro batch (sum = tokens x top_k)."""
