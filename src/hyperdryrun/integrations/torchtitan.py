@@ -51,22 +51,33 @@ class TorchtitanError(ConfigError):
     a :class:`~hyperdryrun.config.ConfigError`, also for the runner's workers)."""
 
 
-def load_config(argv: Sequence[str]) -> Any:
-    """torchtitan's ``Trainer.Config`` from its own command line (``--module``, ``--config``, overrides)."""
+def load_config(argv: Sequence[str], gpu: str | None = None) -> Any:
+    """torchtitan's ``Trainer.Config`` from its own command line (``--module``, ``--config``, overrides); the GPU
+    checks of its quantization converters (float8, MXFP8, NVFP4) answer as ``gpu`` (a preset; default: the
+    default CUDA target's), :func:`hyperdryrun.compat.torchao.capability_patches`."""
+    from hyperdryrun.compat import torchao as ao_compat
+    from hyperdryrun.world.gpus import DEFAULT_GPU, gpu_preset
+
     try:
-        from torchtitan.config import ConfigManager
+        with ao_compat.quiet_import():
+            from torchtitan.config import ConfigManager
     except ImportError as err:
         raise TorchtitanError(
             f"torchtitan is not importable ({err}); install the extra: pip install 'hyperdryrun[torchtitan]'"
         ) from None
     from torchtitan.tools.logging import logger as titan_logger
 
+    preset = gpu_preset(gpu or DEFAULT_GPU)
+    ao_compat.import_quantization_modules()
     level = titan_logger.level  # torchtitan logs to the root logger; its warnings speak of a real run
     titan_logger.setLevel(logging.ERROR)
     printed = io.StringIO()
     try:
         _import_registry(argv)
-        with contextlib.redirect_stderr(printed):
+        with (
+            contextlib.redirect_stderr(printed),
+            PatchSet(ao_compat.capability_patches(preset.compute_capability)),
+        ):
             return ConfigManager().parse_args(list(argv))
     except SystemExit as err:  # tyro printed why, in a box
         if err.code == 0:  # torchtitan's --help, printed
@@ -75,7 +86,8 @@ def load_config(argv: Sequence[str]) -> Any:
         raise TorchtitanError(f"torchtitan rejected the arguments {' '.join(argv)!r}: {why}") from None
     except (ValueError, ImportError, AttributeError) as err:
         missing = _missing_dependency(argv) if isinstance(err, ImportError) else None
-        raise TorchtitanError(f"--module/--config: {missing or err}") from None
+        where = ao_compat.refused_on(err, preset.name, preset.compute_capability)
+        raise TorchtitanError(f"--module/--config: {where}{missing or err}") from None
     finally:
         titan_logger.setLevel(level)
 
@@ -242,6 +254,9 @@ class TorchtitanJob:
     routing: dict[str, list[int]] | None = None
     """MoE routing of the dry run: per-expert token counts by routed-experts module FQN (e.g. a measured run's,
     :func:`measured_routing`); modules not named route balanced."""
+    gpu: str | None = None
+    """The target GPU preset (:mod:`hyperdryrun.world.gpus`): its kernels, and the answer to the GPU checks of
+    torchtitan's float8/MX converters; None: the default CUDA target's, with no capacity."""
     config: Any = None
     limitations: list[str] = dataclasses.field(default_factory=list)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -260,7 +275,7 @@ class TorchtitanJob:
     # ------------------------------------------------------------------ config
     def prepare(self) -> None:
         """Parse and check the config; everything here is torchtitan's own config handling."""
-        self.config = config = load_config(self.argv)
+        self.config = config = load_config(self.argv, self.gpu)
         from torchtitan.distributed import ParallelDims
 
         p, t = config.parallelism, config.training
@@ -844,9 +859,18 @@ class TorchtitanJob:
             mesh_dim_names=("world",),
             target_device=self.target_device,
             num_micro_batches=self.gradient_accumulation_steps * self.pp_microbatches,
+            cuda=self._cuda_runtime(),
             metadata=self.metadata,
             held_fn=self._held_buffers,
         )
+
+    def _cuda_runtime(self) -> Any:
+        """The CUDA target of the world: the ``gpu`` preset, or the default (None)."""
+        if self.gpu is None:
+            return None
+        from hyperdryrun.world.runtime import CudaRuntime
+
+        return CudaRuntime(gpu=self.gpu)
 
     def _held_buffers(self) -> Iterator[Any]:
         """The pipeline stages' receive buffers, which the warm-up step of a measured run made and the step keeps
@@ -875,7 +899,8 @@ def _initialised_later(model: nn.Module) -> None:
 
 class JobArgs(TypedDict, total=False):
     """Who runs a torchtitan job and how (the keywords of :func:`torchtitan_job`, :func:`simulate_torchtitan` and
-    ``measure_torchtitan``): the rank identity, a layer count cut, the target device, the attention swap."""
+    ``measure_torchtitan``): the rank identity, a layer count cut, the target device, the attention swap, the
+    target GPU preset (``gpu``)."""
 
     world_size: Required[int]
     rank: int
@@ -884,6 +909,7 @@ class JobArgs(TypedDict, total=False):
     target_device: str
     attention: str | None
     routing: dict[str, list[int]] | None
+    gpu: str | None
 
 
 @contextlib.contextmanager
@@ -906,7 +932,18 @@ def torchtitan_job(
         raise TorchtitanError(f"--world-size: must be >= 1 (got {world_size})")
     if not 0 <= rank < world_size:
         raise TorchtitanError(f"--rank: must satisfy 0 <= rank < world_size={world_size} (got {rank})")
-    import torchtitan.trainer  # noqa: F401  (imports the modules whose device globals are patched)
+    if args.get("gpu") is not None:
+        from hyperdryrun.world.cuda_target import CudaTarget
+        from hyperdryrun.world.gpus import gpu_preset
+
+        try:
+            CudaTarget(gpu_preset(args["gpu"]))
+        except ValueError as err:
+            raise TorchtitanError(str(err)) from None
+    from hyperdryrun.compat.torchao import quiet_import
+
+    with quiet_import():  # torchtitan's quantization converters import torchao, which warns on a CPU torch
+        import torchtitan.trainer  # noqa: F401  (imports the modules whose device globals are patched)
 
     job = TorchtitanJob(
         list(argv),
@@ -918,6 +955,7 @@ def torchtitan_job(
         args.get("attention"),
         real,
         args.get("routing"),
+        gpu=args.get("gpu"),
     )
     untested = titan_compat.untested(version)
     if untested is not None:
