@@ -140,6 +140,19 @@ def import_quantization_modules() -> None:
         import torchtitan.components.quantization  # noqa: F401
 
 
+def quantized_modules(modules: list[Any]) -> dict[str, int]:
+    """How many modules of each float8/MX/NVFP4 training class the models hold (torchao's, and torchtitan's
+    subclasses of them or of its experts), by class name, sorted: what a report says was quantized."""
+    counts: dict[str, int] = {}
+    for root in modules:
+        for module in root.modules():
+            cls = type(module)
+            owners = {c.__module__.split(".")[0] for c in cls.__mro__[:-1]}
+            if "torchao" in owners or cls.__module__.startswith("torchtitan.components.quantization"):
+                counts[cls.__name__] = counts.get(cls.__name__, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 # ------------------------------------------------------------------------------------------------ MX kernels
 class MXKernelError(ValueError):
     """An MX cast on a target GPU whose kernels torchao does not have (one line)."""
@@ -251,6 +264,7 @@ __all__ = [
     "capability_patches",
     "import_quantization_modules",
     "mx_kernel_patches",
+    "quantized_modules",
     "quiet_import",
     "refused_on",
     "torchao_version",

@@ -605,11 +605,31 @@ class TorchtitanJob:
         dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
         self.loss_fn = config.loss.build(compile_config=config.compile)
         if dims.pp_enabled:
-            return self._pipeline(model)
-        model = config.model_spec.parallelize_fn(model, **self._spec_keywords())
-        self.model = model
-        self.model_parts = [model]
+            model = self._pipeline(model)
+        else:
+            model = config.model_spec.parallelize_fn(model, **self._spec_keywords())
+            self.model = model
+            self.model_parts = [model]
+        self._quantization_metadata()
         return model
+
+    def _quantization_metadata(self) -> None:
+        """The float8/MX modules of this rank's model parts (torchtitan's quantization converters), in the metadata
+        and, where compile runs eagerly, what that means for their casts (stated in the report)."""
+        from hyperdryrun.compat.torchao import quantized_modules, torchao_version, untested
+
+        counts = quantized_modules(self.model_parts)
+        self.metadata["torchtitan"]["quantization"] = counts
+        if not counts:
+            return
+        self.metadata["torchtitan"]["torchao_version"] = torchao_version()
+        if line := untested(torchao_version()):
+            self.limitations.append(line)
+        self.limitations.append(
+            f"float8/MX training ({', '.join(f'{n} {c}' for c, n in counts.items())}): torchao's casts run eagerly, "
+            "as on a GPU without torch.compile: each cast's high-precision temporaries (abs, the scaled and clamped "
+            "copies) are counted, which Inductor fuses into the fp8 output under compile"
+        )
 
     def _spec_keywords(self) -> dict[str, Any]:
         """What torchtitan's Trainer passes to both the model spec's parallelize and pipelining functions."""
