@@ -71,10 +71,11 @@ def untested(version: str | None) -> str | None:
 
 @contextlib.contextmanager
 def quiet_import() -> Iterator[None]:
-    """Import torchao (when installed and not yet imported) with its CUDA-extension and torch's pytree warnings
-    silenced: on a CPU torch torchao 0.18 logs "Failed to load ..._C_cutlass_90a.abi3.so" and torch 2.13 warns
-    that two torchao enums need no ``register_constant``; neither concerns a dry run. Loggers restored after."""
-    if "torchao" in sys.modules or torchao_version() is None:
+    """Import torchao (when installed and not yet imported), and run the body, with its CUDA-extension and torch's
+    pytree warnings silenced: on a CPU torch torchao 0.18 logs "Failed to load ..._C_cutlass_90a.abi3.so" and
+    torch 2.13 warns that torchao's enums (imported with the modules that define them) need no
+    ``register_constant``; neither concerns a dry run. Loggers restored after."""
+    if torchao_version() is None:
         yield
         return
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
@@ -140,15 +141,20 @@ def import_quantization_modules() -> None:
         import torchtitan.components.quantization  # noqa: F401
 
 
+def _quantized_class(cls: type) -> bool:
+    return cls.__module__.startswith(("torchao.", "torchtitan.components.quantization"))
+
+
 def quantized_modules(modules: list[Any]) -> dict[str, int]:
-    """How many modules of each float8/MX/NVFP4 training class the models hold (torchao's, and torchtitan's
-    subclasses of them or of its experts), by class name, sorted: what a report says was quantized."""
+    """How many modules of each float8/MX/NVFP4 training class the models hold (torchao's modules, and torchtitan's
+    subclasses of them or of its experts, torchtitan's counted as torchtitan names them), by class name, sorted:
+    what a report says was quantized."""
     counts: dict[str, int] = {}
     for root in modules:
         for module in root.modules():
-            cls = type(module)
-            owners = {c.__module__.split(".")[0] for c in cls.__mro__[:-1]}
-            if "torchao" in owners or cls.__module__.startswith("torchtitan.components.quantization"):
+            # the first such class of the MRO: FSDP2's fully_shard makes a subclass (FSDPFloat8Linear)
+            cls = next((c for c in type(module).__mro__ if _quantized_class(c)), None)
+            if cls is not None:
                 counts[cls.__name__] = counts.get(cls.__name__, 0) + 1
     return dict(sorted(counts.items()))
 
