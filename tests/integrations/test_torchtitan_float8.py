@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'hyperdryrun[torchtitan]')")
+pytest.importorskip(
+    "torchtitan", reason="torchtitan is not installed (pip install 'hyperdryrun[torchtitan]')"
+)
 pytest.importorskip("torchao", reason="torchao is not installed (pip install 'hyperdryrun[float8]')")
 
 from hyperdryrun.integrations.torchtitan import TorchtitanError, simulate_torchtitan  # noqa: E402
@@ -53,7 +55,9 @@ def test_float8_runs_on_an_h100_and_is_refused_on_an_a100():
 
 def test_the_command_refuses_mxfp8_on_its_default_h100_with_exit_2(capsys, tmp_path):
     # the torchtitan command's target is the default GPU (h100-80gb) until it takes --gpu
-    rc, out, err = cli(["torchtitan", *MXFP8, "--n-layers", "1", "--output-dir", str(tmp_path), "--in-process"], capsys)
+    rc, out, err = cli(
+        ["torchtitan", *MXFP8, "--n-layers", "1", "--output-dir", str(tmp_path), "--in-process"], capsys
+    )
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "gpu='h100-80gb' (sm90) refused, as on the card: MXFP8" in lines[0]
