@@ -112,6 +112,14 @@ def test_float8_rowwise_scales_are_one_fp32_per_row_and_the_high_precision_copie
     assert all(b.end <= gemm.start + 1 for b in casts)
 
 
+def test_float8_on_an_a100_target_is_refused_in_one_line_as_on_the_card():
+    with pytest.raises(hyperdryrun.SimulationError) as info:
+        _trace("tensorwise", torch.float32, cuda=CudaRuntime(gpu="a100-80gb"))
+    message = str(info.value.error)
+    assert "\n" not in message
+    assert message.startswith("gpu='a100-80gb' (sm80) refused, as on the card: torch._scaled_mm")
+
+
 def test_rowwise_with_high_precision_grad_weight_runs_one_scaled_gemm_in_backward():
     gemms = {}
     for recipe in ("rowwise", "rowwise_with_gw_hp"):

@@ -159,6 +159,31 @@ def quantized_modules(modules: list[Any]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def scaled_mm_patches(sm: tuple[int, int], gpu: str) -> list[Patch]:
+    """``torch._scaled_mm`` (what torchao's float8 GEMMs call) refuses a GPU below sm89 on the card (torch 2.13
+    ``ScaledBlas.cpp``: "torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or 8.9,
+    or ROCm MI300+"); the fake kernel does not ask, so on such a target it refuses in one line. Nothing otherwise."""
+    import torch
+
+    if sm >= FLOAT8_SM:
+        return []
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            f"gpu={gpu!r} ({_sm_text(sm)}) refused, as on the card: torch._scaled_mm (float8 GEMMs) is only "
+            "supported on CUDA devices with compute capability >= 8.9"
+        )
+
+    return [
+        Patch(
+            torch,
+            "_scaled_mm",
+            refused,
+            f"torch's CUDA _scaled_mm refuses {_sm_text(sm)}; its fake kernel does not",
+        )
+    ]
+
+
 # ------------------------------------------------------------------------------------------------ MX kernels
 class MXKernelError(ValueError):
     """An MX cast on a target GPU whose kernels torchao does not have (one line)."""
@@ -273,6 +298,7 @@ __all__ = [
     "quantized_modules",
     "quiet_import",
     "refused_on",
+    "scaled_mm_patches",
     "torchao_version",
     "untested",
 ]

@@ -71,7 +71,10 @@ def target_kernel_patches(
         simulation_device,
         sdpa_for(cuda_target),
         needs_target_kernels(target_device, simulation_device),
-    ) + torchao.mx_kernel_patches(cuda_target.sm, cuda_target.gpu.name)
+    ) + [
+        *torchao.mx_kernel_patches(cuda_target.sm, cuda_target.gpu.name),
+        *torchao.scaled_mm_patches(cuda_target.sm, cuda_target.gpu.name),
+    ]
 
 
 __all__ = [
