@@ -57,10 +57,11 @@ def layer_bytes(tp: int, fsdp: int) -> int:
     ids=["first-stage", "last-stage"],
 )
 def test_llama3_405b_3d_layout_stage_parameters(rank, stage, expected_params):
-    """torchtitan's 405B config (bf16: its float8 converter needs torchao and an SM89 GPU at config time), FSDP 8 x
-    TP 8 x PP 8 on 512 ranks, 1F1B over 8 micro batches, cut to 14 layers so that every stage holds torchtitan's
-    own split of them."""
-    argv = ["--module", "tests.integrations._llama3_405b_bf16", "--config", "llama3_405b_bf16"]
+    """torchtitan's 405B config as written (float8 rowwise linears but the head, compile, async TP; its float8
+    converter's SM check answered as the default target, an sm90 H100), FSDP 8 x TP 8 x PP 8 on 512 ranks, 1F1B
+    over 8 micro batches, cut to 14 layers so that every stage holds torchtitan's own split of them. Float8Linear
+    keeps nn.Linear's parameters: the same fp32 shards as bf16 linears."""
+    argv = ["--module", "llama3", "--config", "llama3_405b"]
     argv += [*pp_args(8, data_parallel_shard=8), "--training.local_batch_size", "8"]
     trace = simulate_torchtitan(argv, world_size=512, rank=rank, n_layers=14, capture_stacks=False)
     pipeline = trace.metadata["pipeline"]
@@ -80,6 +81,8 @@ def test_llama3_405b_3d_layout_stage_parameters(rank, stage, expected_params):
     assert trace.metadata["torchtitan"]["optimizer_implementation"] == "fused"
     assert after["Optstate"] == 2 * expected_params + STEP_SCALAR * (8 if stage == 0 else 9)
     assert any("async TP" in line for line in trace.limitations)
+    # each stage holds one layer: wqkv, wo, w1, w2, w3 in float8 (the head is filtered out by the config)
+    assert trace.metadata["torchtitan"]["quantization"] == {"Float8Linear": 5}
 
 
 DEBUG = ["--module", "llama3", "--config", "llama3_debugmodel", "--training.seq_len", "256"]

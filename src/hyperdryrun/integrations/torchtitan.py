@@ -126,7 +126,7 @@ class TorchtitanJob(ConfigChecks):
     # ------------------------------------------------------------------ config
     def prepare(self) -> None:
         """Parse and check the config; everything here is torchtitan's own config handling."""
-        self.config = config = load_config(self.argv)
+        self.config = config = load_config(self.argv, self.cuda.gpu if self.cuda is not None else None)
         from torchtitan.distributed import ParallelDims
 
         p, t = config.parallelism, config.training
@@ -264,11 +264,31 @@ class TorchtitanJob(ConfigChecks):
         titan_compat.set_spmd_backend(config.parallelism.spmd_backend)
         self.loss_fn = config.loss.build(compile_config=config.compile)
         if dims.pp_enabled:
-            return self._pipeline(model)
-        model = config.model_spec.parallelize_fn(model, **self._spec_keywords())
-        self.model = model
-        self.model_parts = [model]
+            model = self._pipeline(model)
+        else:
+            model = config.model_spec.parallelize_fn(model, **self._spec_keywords())
+            self.model = model
+            self.model_parts = [model]
+        self._quantization_metadata()
         return model
+
+    def _quantization_metadata(self) -> None:
+        """The float8/MX modules of this rank's model parts (torchtitan's quantization converters), in the metadata
+        and, where compile runs eagerly, what that means for their casts (stated in the report)."""
+        from hyperdryrun.compat.torchao import quantized_modules, torchao_version, untested
+
+        counts = quantized_modules(self.model_parts)
+        self.metadata["torchtitan"]["quantization"] = counts
+        if not counts:
+            return
+        self.metadata["torchtitan"]["torchao_version"] = torchao_version()
+        if line := untested(torchao_version()):
+            self.limitations.append(line)
+        self.limitations.append(
+            f"float8/MX training ({', '.join(f'{n} {c}' for c, n in counts.items())}): torchao's casts run eagerly, "
+            "as on a GPU without torch.compile: each cast's high-precision temporaries (abs, the scaled and clamped "
+            "copies) are counted, which Inductor fuses into the fp8 output under compile"
+        )
 
     def _spec_keywords(self) -> dict[str, Any]:
         """What torchtitan's Trainer passes to both the model spec's parallelize and pipelining functions."""
@@ -576,7 +596,10 @@ def torchtitan_job(
     if world_size < 1:
         raise TorchtitanError(f"--world-size: must be >= 1 (got {world_size})")
     check_rank(rank, world_size, TorchtitanError)
-    import torchtitan.trainer  # noqa: F401  (imports the modules whose device globals are patched)
+    from hyperdryrun.compat.torchao import quiet_import
+
+    with quiet_import():  # torchtitan's quantization converters import torchao, which warns on a CPU torch
+        import torchtitan.trainer  # noqa: F401  (imports the modules whose device globals are patched)
 
     job = TorchtitanJob(
         list(argv),

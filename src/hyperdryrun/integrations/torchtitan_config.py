@@ -26,21 +26,33 @@ class TorchtitanError(ConfigError):
     a :class:`~hyperdryrun.config.ConfigError`, also for the runner's workers)."""
 
 
-def load_config(argv: Sequence[str]) -> Any:
-    """torchtitan's ``Trainer.Config`` from its own command line (``--module``, ``--config``, overrides)."""
+def load_config(argv: Sequence[str], gpu: str | None = None) -> Any:
+    """torchtitan's ``Trainer.Config`` from its own command line (``--module``, ``--config``, overrides); the GPU
+    checks of its quantization converters (float8, MXFP8, NVFP4) answer as ``gpu`` (a preset; default: the
+    default CUDA target's), :func:`hyperdryrun.compat.torchao.capability_patches`."""
+    from hyperdryrun.compat import torchao as ao_compat
+    from hyperdryrun.patches import PatchSet
+    from hyperdryrun.world.gpus import DEFAULT_GPU, gpu_preset
+
     try:
-        from torchtitan.config import ConfigManager
+        with ao_compat.quiet_import():
+            from torchtitan.config import ConfigManager
     except ImportError as err:
         raise TorchtitanError(
             f"torchtitan is not importable ({err}); install the extra: pip install 'hyperdryrun[torchtitan]'"
         ) from None
     from hyperdryrun.compat.torchtitan import quiet_logger
 
+    preset = gpu_preset(gpu or DEFAULT_GPU)
+    ao_compat.import_quantization_modules()
     printed = io.StringIO()
     try:
         with quiet_logger():  # torchtitan's warnings speak of a real run
             _import_registry(argv)
-            with contextlib.redirect_stderr(printed):
+            with (
+                contextlib.redirect_stderr(printed),
+                PatchSet(ao_compat.capability_patches(preset.compute_capability)),
+            ):
                 return ConfigManager().parse_args(list(argv))
     except SystemExit as err:  # tyro printed why, in a box
         if err.code == 0:  # torchtitan's --help, printed
@@ -49,7 +61,8 @@ def load_config(argv: Sequence[str]) -> Any:
         raise TorchtitanError(f"torchtitan rejected the arguments {' '.join(argv)!r}: {why}") from None
     except (ValueError, ImportError, AttributeError) as err:
         missing = _missing_dependency(argv) if isinstance(err, ImportError) else None
-        raise TorchtitanError(f"--module/--config: {missing or err}") from None
+        where = ao_compat.refused_on(err, preset.name, preset.compute_capability)
+        raise TorchtitanError(f"--module/--config: {where}{missing or err}") from None
 
 
 def _module_name(argv: Sequence[str]) -> str | None:

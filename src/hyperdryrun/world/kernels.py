@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hyperdryrun.compat import torch_kernels
+from hyperdryrun.compat import torch_kernels, torchao
 from hyperdryrun.compat.torch_kernels import (
     OUTPUT_FIXUPS,
     cuda_dropout,
@@ -62,7 +62,8 @@ def target_kernel_patches(
     target_device: str, simulation_device: str, cuda_target: CudaTarget = DEFAULT_CUDA_TARGET
 ) -> list[Patch]:
     """Patches that make the simulation device follow the target device's kernels (``cuda_target``'s SDPA choice;
-    :func:`hyperdryrun.compat.torch_kernels.target_kernel_patches`)."""
+    :func:`hyperdryrun.compat.torch_kernels.target_kernel_patches`; torchao's MXFP8 casts where torchao is loaded,
+    :func:`hyperdryrun.compat.torchao.mx_kernel_patches`)."""
     if target_device != "cuda":
         return []
     return torch_kernels.target_kernel_patches(
@@ -70,7 +71,10 @@ def target_kernel_patches(
         simulation_device,
         sdpa_for(cuda_target),
         needs_target_kernels(target_device, simulation_device),
-    )
+    ) + [
+        *torchao.mx_kernel_patches(cuda_target.sm, cuda_target.gpu.name),
+        *torchao.scaled_mm_patches(cuda_target.sm, cuda_target.gpu.name),
+    ]
 
 
 __all__ = [
