@@ -104,8 +104,16 @@ def worker(variants: list[str], model: str, layers: int, seq: int, reps: int) ->
         step_trace,
         traced_step,
     )
-    from hyperdryrun.parallel import build_optimizer, parallelize_llama
-    from hyperdryrun.recipe import batch_fn, job_metadata, llama_loss, loss_context, model_fn
+    from hyperdryrun.parallel import parallelize_llama
+    from hyperdryrun.recipe import (
+        batch_fn,
+        job_metadata,
+        llama_loss,
+        loss_context,
+        model_fn,
+        optimizer,
+        parallelize_options,
+    )
     from hyperdryrun.report import blocks_csv, build_report, write_reports
     from hyperdryrun.world import SimulatedWorld
     from hyperdryrun.world.patches import PatchSet
@@ -177,8 +185,8 @@ def worker(variants: list[str], model: str, layers: int, seq: int, reps: int) ->
                 model_fn(cfg),
                 make_batch,
                 step_fn,
-                parallelize_fn=lambda m, mesh: parallelize_llama(m, mesh, cfg),
-                optimizer_fn=lambda params: build_optimizer(params, cfg),
+                parallelize_fn=lambda m, mesh: parallelize_llama(m, mesh, cfg.dims, parallelize_options(cfg)),
+                optimizer_fn=optimizer(cfg),
             ),
         )
         res["setup_s"], res["setup_cpu"] = time.perf_counter() - t0, time.process_time() - c0

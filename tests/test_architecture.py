@@ -1,5 +1,5 @@
 """The import layering of src/hyperdryrun: no import cycles, and no import upward against the layer order in
-docs/ARCHITECTURE.md ("## Layers"). Module-level and function-level imports count alike in the source; at run time,
+docs/ARCHITECTURE.md ("## Layers"), nor between the side-by-side parts of one layer (``config`` and ``parallel``). Module-level and function-level imports count alike in the source; at run time,
 importing a module loads no module of a higher layer, and the torch-free entry points load no torch."""
 
 from __future__ import annotations
@@ -101,38 +101,46 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-def parse_layers(markdown: str) -> list[str]:
-    """The layer order of the ``## Layers`` section, lowest first: the first backticked name of each list item."""
+Layer = tuple[str, ...]
+"""One layer: its parts, side by side (most layers have one); a part imports none of the others."""
+
+
+def parse_layers(markdown: str) -> list[Layer]:
+    """The layer order of the ``## Layers`` section, lowest first: each list item's leading backticked names, joined
+    by " and " for parts side by side (``1. `config` and `parallel`: ...``)."""
     match = re.search(r"^## Layers\s*$(.*?)(?=^## |\Z)", markdown, re.M | re.S)
     if match is None:
         raise ValueError("no '## Layers' section")
-    layers = re.findall(r"^\s*(?:\d+\.|[-*])\s+`([\w.]+)`", match[1], re.M)
-    if not layers:
+    items = re.findall(r"^\s*(?:\d+\.|[-*])\s+(`[\w.]+`(?:\s+and\s+`[\w.]+`)*)", match[1], re.M)
+    if not items:
         raise ValueError("the '## Layers' section lists no `layer`")
-    return layers
+    return [tuple(re.findall(r"`([\w.]+)`", item)) for item in items]
 
 
-def layer_of(module: str, package: str, layers: list[str]) -> int:
-    """Index of the layer holding ``module``: the longest layer name that is it or a package above it
-    (``package`` itself is named as such, the rest relative to it)."""
+def layer_of(module: str, package: str, layers: list[Layer]) -> tuple[int, str]:
+    """Index of the layer holding ``module`` and the part of it: the longest layer name that is it or a package above
+    it (``package`` itself is named as such, the rest relative to it)."""
     rel = module[len(package) + 1 :] if module != package else package
-    best = -1
-    for i, name in enumerate(layers):
-        if (rel == name or rel.startswith(name + ".")) and (best < 0 or len(name) > len(layers[best])):
-            best = i
-    if best < 0:
+    best: tuple[int, str] | None = None
+    for i, parts in enumerate(layers):
+        for name in parts:
+            if (rel == name or rel.startswith(name + ".")) and (best is None or len(name) > len(best[1])):
+                best = (i, name)
+    if best is None:
         raise ValueError(f"module {module} is in no layer of the '## Layers' section")
     return best
 
 
-def upward_imports(graph: dict[str, set[str]], package: str, layers: list[str]) -> list[tuple[str, str]]:
-    """``(importer, imported)`` for every import of a module in a higher layer than the importer's."""
-    return sorted(
-        (a, b)
-        for a, targets in graph.items()
-        for b in targets
-        if layer_of(b, package, layers) > layer_of(a, package, layers)
-    )
+def goes_up(importer: str, imported: str, package: str, layers: list[Layer]) -> bool:
+    """Whether ``importer`` may not import ``imported``: it is in a higher layer, or in another part of the same."""
+    (i, part), (j, other) = layer_of(importer, package, layers), layer_of(imported, package, layers)
+    return j > i or (j == i and other != part)
+
+
+def upward_imports(graph: dict[str, set[str]], package: str, layers: list[Layer]) -> list[tuple[str, str]]:
+    """``(importer, imported)`` for every import of a module in a higher layer than the importer's, or in another
+    part of its layer."""
+    return sorted((a, b) for a, targets in graph.items() for b in targets if goes_up(a, b, package, layers))
 
 
 def without(graph: dict[str, set[str]], edges: object) -> dict[str, set[str]]:
@@ -157,7 +165,26 @@ def test_no_import_cycles(graph):
 def test_every_module_is_in_a_layer(graph, layers):
     for module in graph:
         layer_of(module, PACKAGE, layers)  # raises, naming the module
-    assert len(set(layers)) == len(layers), f"a layer is listed twice: {layers}"
+    names = [name for parts in layers for name in parts]
+    assert len(set(names)) == len(names), f"a layer is listed twice: {layers}"
+
+
+def test_config_and_parallel_are_side_by_side(graph, layers):
+    """The job config and the parallelisms import neither each other (the parallelisms take ParallelDims and the
+    options they use; the recipe makes them from the config), and both stand on ParallelDims."""
+    config, parallel = (
+        layer_of(f"{PACKAGE}.config", PACKAGE, layers),
+        layer_of(f"{PACKAGE}.parallel.fsdp", PACKAGE, layers),
+    )
+    assert config[0] == parallel[0] and config[1] != parallel[1]
+    dims = layer_of(f"{PACKAGE}.parallel_dims", PACKAGE, layers)
+    assert dims[0] < config[0]
+    assert {b for b in graph[f"{PACKAGE}.config"] if b.startswith(f"{PACKAGE}.parallel.")} == set()
+    assert {
+        a
+        for a, targets in graph.items()
+        if a.startswith(f"{PACKAGE}.parallel") and f"{PACKAGE}.config" in targets
+    } == set()
 
 
 def test_no_import_goes_up_a_layer(graph, layers):
@@ -228,13 +255,12 @@ def higher_layer_loads(
     loaded: dict[str, list[str]], package: str, layers: list[str]
 ) -> list[tuple[str, str]]:
     """``(module, loaded)`` for every module of a higher layer that importing ``module`` loaded. A package above a
-    loaded module is loaded with it whatever its layer (``hyperdryrun.parallel`` with ``parallel.dims``), so it is
+    loaded module is loaded with it whatever its layer (``hyperdryrun.parallel`` with ``parallel.fsdp``), so it is
     not counted; what its ``__init__`` imports is, as the other modules loaded."""
     out = []
     for name, modules in loaded.items():
         parents = {".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count(".") + 1)}
-        own = layer_of(name, package, layers)
-        out += [(name, m) for m in modules if m not in parents and layer_of(m, package, layers) > own]
+        out += [(name, m) for m in modules if m not in parents and goes_up(name, m, package, layers)]
     return sorted(out)
 
 
@@ -246,20 +272,15 @@ def test_importing_a_module_loads_no_higher_layer(graph, layers):
     assert set(missing.values()) <= {"torchtitan", "transformers", "ray", "matplotlib"}, missing
     loaded = {name: r["loaded"] for name, r in result.items() if "loaded" in r}
     assert len(loaded) >= len(graph) - len(missing)
-    assert loaded[f"{PACKAGE}.parallel.dims"] == [
-        PACKAGE,
-        f"{PACKAGE}.lazy",
-        f"{PACKAGE}.parallel",
-        f"{PACKAGE}.parallel.dims",
-    ]
+    assert loaded[f"{PACKAGE}.parallel_dims"] == [PACKAGE, f"{PACKAGE}.lazy", f"{PACKAGE}.parallel_dims"]
     assert higher_layer_loads(loaded, PACKAGE, layers) == []
 
 
 def test_parallel_dims_imports_no_torch():
-    run = _python("-X", "importtime", "-c", "import hyperdryrun.parallel.dims")
+    run = _python("-X", "importtime", "-c", "import hyperdryrun.parallel_dims")
     assert run.returncode == 0, run.stderr[-3000:]
     names = imported_names(run.stderr)
-    assert "hyperdryrun.parallel.dims" in names  # the parse sees the imports
+    assert "hyperdryrun.parallel_dims" in names  # the parse sees the imports
     assert not {n for n in names if n.split(".")[0] in ("torch", "numpy", "pydantic")}
 
 
@@ -277,8 +298,9 @@ def test_higher_layer_loads_skips_only_the_parent_packages():
     loaded = {
         "pkg.mid.special": ["pkg", "pkg.mid", "pkg.mid.special", "pkg.low"],
         "pkg.low": ["pkg.low", "pkg.high"],
+        "pkg.high": ["pkg.high", "pkg.low", "pkg.side"],
     }
-    assert higher_layer_loads(loaded, "pkg", layers) == [("pkg.low", "pkg.high")]
+    assert higher_layer_loads(loaded, "pkg", layers) == [("pkg.high", "pkg.side"), ("pkg.low", "pkg.high")]
     stderr = "import time: self [us] | cumulative | imported package\nimport time:   5 |   5 |   torch._C\n"
     assert imported_names(stderr) == {"torch._C"}
 
@@ -299,7 +321,7 @@ FAKE_LAYERS = """# Fake
 1. `low`: the bottom
 2. `mid.special`: a module in a layer of its own, below the rest of its package
 3. `mid`: the rest of the package
-- `high`: the top
+- `high` and `side`: the top, in two parts side by side (neither imports the other), `low` not a part
 - `pkg`: the package's own __init__
 
 ## Next section
@@ -308,7 +330,7 @@ FAKE_LAYERS = """# Fake
 
 
 def test_parse_layers_reads_only_its_section():
-    assert parse_layers(FAKE_LAYERS) == ["low", "mid.special", "mid", "high", "pkg"]
+    assert parse_layers(FAKE_LAYERS) == [("low",), ("mid.special",), ("mid",), ("high", "side"), ("pkg",)]
     with pytest.raises(ValueError, match="no '## Layers' section"):
         parse_layers("# Architecture\n## Other\n1. `low`\n")
 
@@ -343,14 +365,18 @@ def test_checker_finds_an_upward_import(tmp_path):
             "mid/special.py": "from pkg import low\nfrom pkg.mid import other\n",
             "mid/other.py": "from pkg.mid import special\n",
             "high.py": "from pkg import low\nfrom pkg.mid.special import y\n",
+            "side.py": "from pkg import low\nfrom pkg import high\n",
         },
     )
     layers = parse_layers(FAKE_LAYERS)
-    assert [layer_of(m, "pkg", layers) for m in ("pkg.low", "pkg.mid.special", "pkg.mid.other", "pkg")] == [
-        0,
-        1,
-        2,
-        4,
+    modules = ("pkg.low", "pkg.mid.special", "pkg.mid.other", "pkg.high", "pkg.side", "pkg")
+    assert [layer_of(m, "pkg", layers) for m in modules] == [
+        (0, "low"),
+        (1, "mid.special"),
+        (2, "mid"),
+        (3, "high"),
+        (3, "side"),
+        (4, "pkg"),
     ]
     with pytest.raises(ValueError, match="module pkg.stray is in no layer"):
         layer_of("pkg.stray", "pkg", layers)
@@ -358,6 +384,7 @@ def test_checker_finds_an_upward_import(tmp_path):
     assert upward_imports(graph, "pkg", layers) == [
         ("pkg.low", "pkg.high"),
         ("pkg.mid.special", "pkg.mid.other"),
+        ("pkg.side", "pkg.high"),  # the same layer, another part
     ]
 
 

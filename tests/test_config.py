@@ -10,7 +10,7 @@ from hyperdryrun.config import ConfigError, JobConfig, build_config, load_yaml, 
 from hyperdryrun.models.llama import PRESETS, LlamaArgs
 from hyperdryrun.models.moe import PRESETS as MOE_PRESETS
 from hyperdryrun.models.moe import MoEArgs
-from hyperdryrun.parallel.dims import ParallelDims
+from hyperdryrun.parallel_dims import ParallelDims
 
 
 def error_of(data: dict) -> str:

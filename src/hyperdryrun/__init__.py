@@ -1,7 +1,7 @@
 """HyperDryRun: how much accelerator memory each rank of a distributed training job needs, before you have it.
 
 The public names below are imported on first use (PEP 562), so ``import hyperdryrun.<module>`` loads only what that
-module needs: ``hyperdryrun.parallel.dims`` and ``hyperdryrun --help`` do not import torch.
+module needs: ``hyperdryrun.parallel_dims`` and ``hyperdryrun --help`` do not import torch.
 """
 
 from typing import TYPE_CHECKING

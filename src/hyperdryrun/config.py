@@ -48,7 +48,7 @@ from hyperdryrun.ingest.files import (
 )
 from hyperdryrun.models import hf
 from hyperdryrun.models.registry import ModelFamily, family_of, preset_names
-from hyperdryrun.parallel.dims import ParallelDims, PipelineSchedule, stages_per_rank
+from hyperdryrun.parallel_dims import ParallelDims, PipelineSchedule, stages_per_rank
 from hyperdryrun.world.runtime import CudaRuntime
 from hyperdryrun.world.value_rules import ROUTING_OP, ValueRule, ValueRules
 
@@ -180,7 +180,7 @@ BUILTIN_FIELDS = ("norm", "fuse_qkv", "rope", "moe_impl")
 
 class ParallelConfig(_Strict):
     """Parallel degrees and options as given; ``dp_shard=None`` takes what the world leaves. The layout they make,
-    and its rules, is :attr:`JobConfig.dims` (:class:`~hyperdryrun.parallel.dims.ParallelDims`)."""
+    and its rules, is :attr:`JobConfig.dims` (:class:`~hyperdryrun.parallel_dims.ParallelDims`)."""
 
     dp_replicate: int = Field(1, gt=0, le=MAX_RANKS)
     dp_shard: int | None = Field(None, gt=0, le=MAX_RANKS)
@@ -552,8 +552,23 @@ class JobConfig(_Strict):
 
     @property
     def dims(self) -> ParallelDims:
-        """The job's parallel layout: degrees, mesh, every rank's coordinates (:mod:`hyperdryrun.parallel.dims`)."""
-        return ParallelDims.from_config(self)
+        """The job's parallel layout: degrees, mesh, every rank's coordinates (:mod:`hyperdryrun.parallel_dims`),
+        from its ``parallel`` section and ``world.world_size``."""
+        p = self.parallel
+        return ParallelDims(
+            world_size=self.world.world_size,
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            cp=p.cp,
+            tp=p.tp,
+            pp=p.pp,
+            ep=p.ep,
+            etp=p.etp,
+            pp_schedule=p.pp_schedule,
+            pp_virtual_stages=p.pp_virtual_stages,
+            pp_stage_layers=None if p.pp_stage_layers is None else tuple(p.pp_stage_layers),
+            sequence_parallel=p.sequence_parallel,
+        )
 
     @property
     def local_rank(self) -> int:

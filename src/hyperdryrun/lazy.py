@@ -2,7 +2,7 @@
 
 A package names each public attribute's home module; the first access imports that module and caches the value in
 the package, so ``from package import name`` and ``package.name`` work as an eager import did, while
-``import package.submodule`` runs no other submodule (``hyperdryrun.parallel.dims`` stays free of torch).
+``import package.submodule`` runs no other submodule (``hyperdryrun.parallel_dims`` stays free of torch).
 """
 
 from __future__ import annotations

@@ -19,14 +19,64 @@ from hyperdryrun.engine import JobPlan, StepTrace, micro_batch_step, simulate_pl
 from hyperdryrun.models.hf import is_hf_name
 from hyperdryrun.models.llama import cross_entropy_loss
 from hyperdryrun.parallel.context import ContextParallelStep
-from hyperdryrun.parallel.fsdp import DTYPES, fsdp_enabled
+from hyperdryrun.parallel.fsdp import DTYPES, FSDPOptions, fsdp_enabled
 from hyperdryrun.parallel.optimizer import build_optimizer
-from hyperdryrun.parallel.pipeline import DecoderPipeline, PipelineStages
-from hyperdryrun.parallel.train_spec import train_spec
+from hyperdryrun.parallel.options import ParallelizeOptions
+from hyperdryrun.parallel.pipeline import DecoderPipeline, PipelineStages, StageShapes
+from hyperdryrun.parallel.train_spec import get_train_spec
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.trace.stacks import step_code
 from hyperdryrun.version import __version__
 from hyperdryrun.world.values import use_rules
+
+
+# --- the job config as the parallelisms take it: ParallelDims (cfg.dims) and the options each uses -----------------
+def fsdp_options(cfg: JobConfig) -> FSDPOptions:
+    """What FSDP2 is applied with: the training dtypes, ``parallel.reshard_after_forward`` and ``fsdp_wrap``."""
+    t, p = cfg.training, cfg.parallel
+    return FSDPOptions(t.dtype, t.param_dtype, t.reduce_dtype, p.reshard_after_forward, p.fsdp_wrap)
+
+
+def fsdp_applied(cfg: JobConfig) -> bool:
+    """Whether the job's step applies FSDP2 (:func:`hyperdryrun.parallel.fsdp.fsdp_enabled`)."""
+    return fsdp_enabled(cfg.dims, fsdp_options(cfg))
+
+
+def parallelize_options(cfg: JobConfig) -> ParallelizeOptions:
+    """What the model family's parallelize function applies besides the degrees."""
+    t = cfg.training
+    return ParallelizeOptions(fsdp_options(cfg), t.ac, t.ac_selective, cfg.parallel.loss_parallel)
+
+
+def optimizer(cfg: JobConfig) -> Callable[[Any], torch.optim.Optimizer]:
+    """The job's optimizer over the parameters it is given (``training.optimizer`` and its settings)."""
+    t = cfg.training
+    return lambda params: build_optimizer(
+        params,
+        name=t.optimizer,
+        impl=t.optimizer_impl,
+        lr=t.lr,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+    )
+
+
+def stage_shapes(cfg: JobConfig) -> StageShapes:
+    """What flows between the built-in job's pipeline stages: one micro batch of hidden states in the activation
+    dtype (param_dtype under FSDP2's mixed precision, else the stored dtype), logits from the last."""
+    p, t, m = cfg.parallel, cfg.training, cfg.model.args()
+    dtype = DTYPES[t.param_dtype] if fsdp_applied(cfg) and t.param_dtype else DTYPES[t.dtype]
+    return StageShapes(
+        t.micro_batch_size,
+        t.seq_len,
+        m.dim,
+        m.vocab_size,
+        dtype,
+        p.pp_num_stages,
+        p.tp,
+        p.sequence_parallel,
+        p.loss_parallel,
+    )
 
 
 def model_fn(cfg: JobConfig):
@@ -172,10 +222,10 @@ def job_metadata(cfg: JobConfig) -> dict:
         **({"transformers_version": installed_version("transformers")} if is_hf_name(cfg.model.name) else {}),
         "dtype": t.dtype,
         "mixed_precision": {"param_dtype": t.param_dtype, "reduce_dtype": t.reduce_dtype}
-        if fsdp_enabled(cfg)
+        if fsdp_applied(cfg)
         else None,
         "parallel": cfg.dims.degrees(),
-        "fsdp": fsdp_enabled(cfg),
+        "fsdp": fsdp_applied(cfg),
         "reshard_after_forward": cfg.parallel.reshard_after_forward,
         "sequence_parallel": cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
         "loss_parallel": cfg.parallel.loss_parallel and cfg.parallel.tp > 1,
@@ -207,7 +257,7 @@ def job_metadata(cfg: JobConfig) -> dict:
 def fsdp_wrap_applied(cfg: JobConfig) -> str | None:
     """The FSDP2 units the step applies: ``parallel.fsdp_wrap`` for the built-in presets (dense: parallel/fsdp.py,
     MoE: parallel/expert.py); HF models have their own (parallel/hf.py), none of these."""
-    if not fsdp_enabled(cfg) or cfg.model.family.logits is not None:
+    if not fsdp_applied(cfg) or cfg.model.family.logits is not None:
         return None
     return cfg.parallel.fsdp_wrap
 
@@ -228,8 +278,9 @@ def context_parallel_metadata(cfg: JobConfig) -> dict | None:
 
 def parallelize(cfg: JobConfig):
     """The parallelize function of the model family's train spec: TP/AC/FSDP for Llama, TP/EP/AC/FSDP for MoE."""
-    fn = train_spec(cfg).parallelize
-    return lambda model, mesh: fn(model, mesh, cfg)
+    fn = get_train_spec(cfg.model.family.name).parallelize
+    dims, options = cfg.dims, parallelize_options(cfg)
+    return lambda model, mesh: fn(model, mesh, dims, options)
 
 
 # --- MoE / expert parallel -------------------------------------------------------------------------------------
@@ -272,7 +323,12 @@ def moe_metadata(cfg: JobConfig) -> dict | None:
 def pipeline(cfg: JobConfig) -> DecoderPipeline:
     """The pipeline-parallel step for ``cfg`` (pp > 1): this rank's stages, each parallelized as without pp."""
     return DecoderPipeline(
-        cfg,
+        cfg.dims,
+        cfg.world.rank,
+        cfg.model.args().n_layers,
+        cfg.model.family.pipeline_cut,
+        stage_shapes(cfg),
+        cfg.training.num_micro_batches,
         parallelize_stage=parallelize(cfg),
         loss_fn=cross_entropy_loss,
         loss_context=loss_context(cfg),
@@ -284,7 +340,7 @@ def plan(cfg: JobConfig) -> JobPlan:
     context-parallel ring or plain micro batches) and says what it approximates."""
     dims = cfg.dims
     limitations = []
-    if not fsdp_enabled(cfg) and cfg.training.param_dtype not in (None, cfg.training.dtype):
+    if not fsdp_applied(cfg) and cfg.training.param_dtype not in (None, cfg.training.dtype):
         limitations.append(
             "mixed precision needs FSDP2 in this recipe; parameters were used in training.dtype"
         )
@@ -322,7 +378,7 @@ def plan(cfg: JobConfig) -> JobPlan:
         batch_fn(cfg),
         with_value_rules(cfg, step_fn),
         parallelize_fn=parallelize_fn,
-        optimizer_fn=lambda params: build_optimizer(params, cfg),
+        optimizer_fn=optimizer(cfg),
         init_fn=init_fn(cfg),
         world_size=cfg.world.world_size,
         rank=cfg.world.rank,

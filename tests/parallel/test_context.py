@@ -372,9 +372,9 @@ def test_cp_globals_are_restored_after_the_run():
 def test_cp_globals_are_restored_when_the_step_raises():
     from hyperdryrun.engine import SimulationError, simulate
     from hyperdryrun.models.llama import cross_entropy_loss
-    from hyperdryrun.parallel import MESH_DIMS, ParallelDims, parallelize_llama
+    from hyperdryrun.parallel import MESH_DIMS, parallelize_llama
     from hyperdryrun.parallel.context import ContextParallelStep
-    from hyperdryrun.recipe import batch_fn, model_fn
+    from hyperdryrun.recipe import batch_fn, model_fn, parallelize_options
 
     cfg = job(world__world_size=2, parallel__cp=2, parallel__cp_rotate_method="alltoall")
     during = []
@@ -384,7 +384,12 @@ def test_cp_globals_are_restored_when_the_step_raises():
         cross_entropy_loss(logits, labels)
         raise RuntimeError("loss exploded")
 
-    cp = ContextParallelStep(lambda m, mesh: parallelize_llama(m, mesh, cfg), failing_loss, 1, "alltoall")
+    cp = ContextParallelStep(
+        lambda m, mesh: parallelize_llama(m, mesh, cfg.dims, parallelize_options(cfg)),
+        failing_loss,
+        1,
+        "alltoall",
+    )
     before = _cp_globals()
     with pytest.raises(SimulationError, match="loss exploded"):
         simulate(
@@ -394,7 +399,7 @@ def test_cp_globals_are_restored_when_the_step_raises():
             parallelize_fn=cp.parallelize,
             world_size=2,
             rank=0,
-            mesh_shape=ParallelDims.from_config(cfg).mesh_shape,
+            mesh_shape=cfg.dims.mesh_shape,
             mesh_dim_names=MESH_DIMS,
         )
     assert during and during[0]["sdpa"] is not before["sdpa"]

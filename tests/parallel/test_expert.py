@@ -155,6 +155,7 @@ def test_expert_parallel_with_a_pipeline_runs_each_stage():
 def test_dispatch_without_active_rules_names_the_module_and_restores_globals(tp):
     """ep 2, and ep 2 x etp 2 with tp 2."""
     from hyperdryrun.parallel.expert import parallelize_moe
+    from hyperdryrun.recipe import parallelize_options
 
     over = dict(
         parallel__tp=tp, parallel__etp=tp, parallel__sequence_parallel=False, parallel__loss_parallel=False
@@ -165,7 +166,7 @@ def test_dispatch_without_active_rules_names_the_module_and_restores_globals(tp)
             lambda: MoETransformer(TINY, 8),
             lambda i, d: (torch.randint(0, 256, (1, 8), device=d),) * 2,
             loss_fn=lambda m, b: m(b[0]).float().pow(2).mean(),
-            parallelize_fn=lambda m, mesh: parallelize_moe(m, mesh, cfg),
+            parallelize_fn=lambda m, mesh: parallelize_moe(m, mesh, cfg.dims, parallelize_options(cfg)),
             world_size=2 * tp,
             mesh_shape=(1, 1, 2, 1, tp),
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
@@ -438,7 +439,7 @@ def test_mla_attention_with_tp_splits_the_up_projections_and_replicates_the_low_
     from hyperdryrun.engine import micro_batch_step
     from hyperdryrun.models.llama import cross_entropy_loss
     from hyperdryrun.parallel.expert import parallelize_moe
-    from hyperdryrun.recipe import loss_context, with_value_rules
+    from hyperdryrun.recipe import loss_context, parallelize_options, with_value_rules
 
     args = DEBUG.replace(
         attention="mla",
@@ -462,7 +463,7 @@ def test_mla_attention_with_tp_splits_the_up_projections_and_replicates_the_low_
         lambda: MoETransformer(args, 8),
         lambda i, d: (torch.randint(0, 512, (1, 8), device=d),) * 2,
         step_fn=with_value_rules(cfg, step),
-        parallelize_fn=lambda m, mesh: parallelize_moe(m, mesh, cfg),
+        parallelize_fn=lambda m, mesh: parallelize_moe(m, mesh, cfg.dims, parallelize_options(cfg)),
         world_size=2,
         mesh_shape=(1, 1, 1, 1, 2),
         mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),

@@ -29,7 +29,7 @@ def test_each_family_has_its_spec():
     assert llama.family is registry.LLAMA and llama.parallelize is parallelize_llama and llama.ep_plan is None
     assert moe.family is registry.MOE and moe.parallelize is parallelize_moe and moe.ep_plan is apply_ep
     cfg = build_config({"model": {"name": "moe-tiny"}})
-    assert specs.train_spec(cfg) is moe
+    assert specs.get_train_spec(cfg.model.family.name) is moe
     with pytest.raises(KeyError, match="model family 'gpt' has no train spec"):
         specs.get_train_spec("gpt")
     with pytest.raises(ValueError, match="model family 'llama' already has a train spec"):

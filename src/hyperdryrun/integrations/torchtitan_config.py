@@ -150,7 +150,7 @@ class ConfigChecks:
         torch.distributed.pipelining, alone or with FSDP/HSDP; the rest is one line naming the field."""
         from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
-        from hyperdryrun.parallel.dims import PIPELINE_SCHEDULES
+        from hyperdryrun.parallel_dims import PIPELINE_SCHEDULES
 
         p = self.config.parallelism
         refused = [

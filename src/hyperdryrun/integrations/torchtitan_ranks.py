@@ -118,14 +118,14 @@ def rank_classes(
     their lowest rank: ranks that run the same step (the rules of :mod:`hyperdryrun.search.classes`) share a class.
 
     torchtitan's mesh is laid out as the recipe's (``pp, dp_replicate, dp_shard, cp, tp``, row-major), so
-    :meth:`~hyperdryrun.parallel.dims.ParallelDims.coordinates` places each rank. The pipeline stage and the
+    :meth:`~hyperdryrun.parallel_dims.ParallelDims.coordinates` places each rank. The pipeline stage and the
     context-parallel position always set ranks apart; the data-parallel replica never does; ``dp_shard`` and ``tp``
     positions only where a parameter of the model (built on meta) splits unevenly over TP and FSDP (``torch.chunk``
     leaves the last ranks smaller shards), or with EP (its token routing and expert shards, kept apart whole).
     ``step``, when given, is filled with what a step-time estimate needs: torchtitan's training FLOPs per token
     (``get_nparams_and_flops``), the whole job's tokens per step, the pipeline degree, micro batches and stages
     per rank. Bad input raises :class:`TorchtitanError`."""
-    from hyperdryrun.parallel.dims import ParallelDims
+    from hyperdryrun.parallel_dims import ParallelDims
 
     with torchtitan_job(argv, world_size=world_size, n_layers=n_layers) as job:
         degrees = job.metadata["parallel"]

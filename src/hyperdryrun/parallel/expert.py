@@ -28,13 +28,15 @@ from hyperdryrun.parallel.tp import apply_tp, decoder_block_tp_plan
 from hyperdryrun.world.values import ValueRuleError, active_rules
 
 if TYPE_CHECKING:
-    from hyperdryrun.config import JobConfig
+    from hyperdryrun.parallel.fsdp import FSDPOptions
+    from hyperdryrun.parallel.options import ParallelizeOptions
+    from hyperdryrun.parallel_dims import ParallelDims
 
 
-def expert_meshes(mesh: Any, cfg: JobConfig) -> tuple[Any, Any, Any]:
+def expert_meshes(mesh: Any, dims: ParallelDims) -> tuple[Any, Any, Any]:
     """(ep mesh, mesh that FSDP2 shards the experts over, ep x tp mesh or None) from the world mesh; built outside
     fake mode. The ep x tp mesh exists when experts are also tensor parallel (etp = tp > 1)."""
-    p = cfg.parallel
+    p = dims
     full = mesh._unflatten("dp_shard", (p.dp_shard // p.ep, p.ep), ("dp_shard_mod_ep", "ep"))
     efsdp = full["dp_replicate", "dp_shard_mod_ep"] if p.dp_replicate > 1 else full["dp_shard_mod_ep"]
     ep_tp = full["ep", "tp"] if p.etp > 1 else None
@@ -288,7 +290,14 @@ def moe_block_tp_plan(block: nn.Module, seq: Any) -> dict:
 
 
 def apply_moe_tp(
-    model: nn.Module, tp_mesh: Any, ep_mesh: Any | None, ep_tp_mesh: Any | None, cfg: JobConfig
+    model: nn.Module,
+    tp_mesh: Any,
+    ep_mesh: Any | None,
+    ep_tp_mesh: Any | None,
+    *,
+    sequence_parallel: bool,
+    top_k: int,
+    moe_impl: str,
 ) -> None:
     """TP of the MoE layers (torchtitan's ``apply_moe_ep_tp``): the MoE input is all-gathered over tp and its
     partial output reduce-scattered back to sequence shards; the router is replicated, shared experts are split
@@ -301,8 +310,7 @@ def apply_moe_tp(
         parallelize_module,
     )
 
-    seq = Shard(1) if cfg.parallel.sequence_parallel else Replicate()
-    top_k = cfg.model.args().top_k
+    seq = Shard(1) if sequence_parallel else Replicate()
     for name, block in model.layers.items():
         if getattr(block, "moe", None) is None:
             continue
@@ -325,8 +333,7 @@ def apply_moe_tp(
         if ep_mesh is None:
             parallelize_module(block.moe.experts, tp_mesh, TensorParallel())
         else:
-            impl = cfg.model.args().moe_impl
-            ExpertTensorParallel(fqn, top_k, ep_mesh, tp_mesh, impl).apply(block.moe.experts, ep_tp_mesh)
+            ExpertTensorParallel(fqn, top_k, ep_mesh, tp_mesh, moe_impl).apply(block.moe.experts, ep_tp_mesh)
 
 
 def apply_ep(model: nn.Module, ep_mesh: Any, top_k: int, permute: str = "torchtitan") -> None:
@@ -344,16 +351,20 @@ def apply_ep(model: nn.Module, ep_mesh: Any, top_k: int, permute: str = "torchti
             ep.apply(block.moe.experts, ep_mesh)
 
 
-def apply_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig) -> None:
+def apply_moe_fsdp(
+    model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, dims: ParallelDims, fsdp: FSDPOptions
+) -> None:
     """FSDP2 units of the MoE model as ``parallel.fsdp_wrap`` names them: torchtitan 0.3.0's
     (:func:`_torchtitan_moe_fsdp`) or its 2024 releases' (:func:`_torchtitan_2024_moe_fsdp`)."""
-    if cfg.parallel.fsdp_wrap == "torchtitan":
-        _torchtitan_moe_fsdp(model, dp_mesh, expert_mesh, cfg)
+    if fsdp.wrap == "torchtitan":
+        _torchtitan_moe_fsdp(model, dp_mesh, expert_mesh, dims, fsdp)
     else:
-        _torchtitan_2024_moe_fsdp(model, dp_mesh, expert_mesh, cfg)
+        _torchtitan_2024_moe_fsdp(model, dp_mesh, expert_mesh, dims, fsdp)
 
 
-def _torchtitan_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig) -> None:
+def _torchtitan_moe_fsdp(
+    model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, dims: ParallelDims, fsdp: FSDPOptions
+) -> None:
     """torchtitan 0.3.0's ``apply_fsdp_to_decoder``: the embedding and each block are units (the dense units of
     :func:`hyperdryrun.parallel.fsdp.apply_fsdp`), norm + head one unit kept unsharded after forward; a block's
     routed experts are in the block's unit, sharded on the expert dimension (on their hidden dimension when the
@@ -363,9 +374,9 @@ def _torchtitan_moe_fsdp(model: nn.Module, dp_mesh: Any, expert_mesh: Any | None
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import Shard
 
-    p = cfg.parallel
-    config = {"mesh": dp_mesh, "mp_policy": mixed_precision(cfg)}
-    blocks_reshard = p.reshard_after_forward and p.pp == 1
+    p = dims
+    config = {"mesh": dp_mesh, "mp_policy": mixed_precision(fsdp)}
+    blocks_reshard = fsdp.reshard_after_forward and p.pp == 1
     head = shard_embedding_and_head(model, config, blocks_reshard)
     for block in model.layers.values():
         inner = getattr(block, "_checkpoint_wrapped_module", block)
@@ -426,7 +437,7 @@ def _expert_mesh_placement(experts: set, placement: Any, expert_mesh: Any, dp_me
 
 
 def _torchtitan_2024_moe_fsdp(
-    model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, cfg: JobConfig
+    model: nn.Module, dp_mesh: Any, expert_mesh: Any | None, dims: ParallelDims, fsdp: FSDPOptions
 ) -> None:
     """The 2024 units: each block (the last one kept unsharded after forward) and the root, with the routed experts
     wrapped first over ``expert_mesh`` when EP is on (experts over ``dp_shard_mod_ep``, the rest over
@@ -434,8 +445,8 @@ def _torchtitan_2024_moe_fsdp(
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    mp = mixed_precision(cfg)
-    reshard = cfg.parallel.reshard_after_forward
+    mp = mixed_precision(fsdp)
+    reshard = fsdp.reshard_after_forward
     n = len(model.layers)
     for i, block in enumerate(model.layers.values()):
         inner = getattr(block, "_checkpoint_wrapped_module", block)
@@ -443,7 +454,7 @@ def _torchtitan_2024_moe_fsdp(
         if expert_mesh is not None and getattr(inner, "moe", None) is not None:
             experts = inner.moe.experts
             placement = None
-            if expert_mesh.size() * cfg.parallel.ep > experts.num_experts:
+            if expert_mesh.size() * dims.ep > experts.num_experts:
                 # torchtitan: fewer local experts than FSDP ranks, so shard the hidden dim rather than pad experts.
                 placement = lambda _param: Shard(1)  # noqa: E731
             fully_shard(
@@ -457,20 +468,32 @@ def _torchtitan_2024_moe_fsdp(
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
 
-def parallelize_moe(model: nn.Module, mesh: Any, cfg: JobConfig) -> nn.Module:
+def parallelize_moe(
+    model: nn.Module, mesh: Any, dims: ParallelDims, options: ParallelizeOptions
+) -> nn.Module:
     """TP and EP, then AC, then FSDP2/HSDP (torchtitan's order for MoE models), all torch-native, from outside the
     model."""
-    p = cfg.parallel
+    p, args = dims, model.args  # the model's own shapes (top_k, moe_impl)
     ep_mesh = expert_mesh = ep_tp_mesh = None
     if p.ep > 1:
-        ep_mesh, expert_mesh, ep_tp_mesh = expert_meshes(mesh, cfg)
+        ep_mesh, expert_mesh, ep_tp_mesh = expert_meshes(mesh, dims)
     if p.tp > 1:
-        apply_tp(model, mesh["tp"], cfg, moe_block_tp_plan)
-        apply_moe_tp(model, mesh["tp"], ep_mesh, ep_tp_mesh, cfg)
+        sp = dims.sequence_parallel
+        apply_tp(
+            model, mesh["tp"], moe_block_tp_plan, sequence_parallel=sp, loss_parallel=options.loss_parallel
+        )
+        apply_moe_tp(
+            model,
+            mesh["tp"],
+            ep_mesh,
+            ep_tp_mesh,
+            sequence_parallel=sp,
+            top_k=args.top_k,
+            moe_impl=args.moe_impl,
+        )
     elif ep_mesh is not None:
-        args = cfg.model.args()
         apply_ep(model, ep_mesh, args.top_k, args.moe_impl)
-    apply_ac(model, cfg.training.ac, cfg.training.ac_selective)
-    if fsdp_enabled(cfg):
-        apply_moe_fsdp(model, fsdp_mesh(mesh, cfg), expert_mesh, cfg)
+    apply_ac(model, options.ac, options.ac_selective)
+    if fsdp_enabled(dims, options.fsdp):
+        apply_moe_fsdp(model, fsdp_mesh(mesh, dims), expert_mesh, dims, options.fsdp)
     return model

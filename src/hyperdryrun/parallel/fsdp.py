@@ -3,35 +3,50 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from hyperdryrun.config import JobConfig
+    from hyperdryrun.parallel_dims import ParallelDims
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 """The job config's dtype names as torch dtypes."""
 
 
-def fsdp_enabled(cfg: JobConfig) -> bool:
+@dataclass(frozen=True)
+class FSDPOptions:
+    """What FSDP2 is applied with: the job's training dtypes (``training.dtype``, ``param_dtype``,
+    ``reduce_dtype``) and ``parallel.reshard_after_forward`` / ``parallel.fsdp_wrap``."""
+
+    dtype: str = "fp32"
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    reshard_after_forward: bool = True
+    wrap: str = "torchtitan"
+
+    @property
+    def mixed(self) -> bool:
+        """Parameters or gradient reductions in a dtype other than the stored one."""
+        return self.param_dtype not in (None, self.dtype) or self.reduce_dtype not in (None, self.dtype)
+
+
+def fsdp_enabled(dims: ParallelDims, fsdp: FSDPOptions) -> bool:
     """FSDP2 is applied when data is sharded/replicated, with context parallel (whose ranks share the parameters
     and reduce their gradients, torchtitan's ``fsdp_enabled``), or to get its mixed-precision policy."""
-    t, p = cfg.training, cfg.parallel
-    mixed = (t.param_dtype not in (None, t.dtype)) or (t.reduce_dtype not in (None, t.dtype))
-    return p.dp_shard * p.dp_replicate * p.cp > 1 or mixed
+    return dims.dp_shard * dims.dp_replicate * dims.cp > 1 or fsdp.mixed
 
 
-def fsdp_mesh(mesh: Any, cfg: JobConfig) -> Any:
+def fsdp_mesh(mesh: Any, dims: ParallelDims) -> Any:
     """The mesh FSDP2 shards over: dp_shard, joined by cp into torchtitan's flattened "dp_shard_cp" when cp > 1,
     with dp_replicate in front for HSDP."""
-    p = cfg.parallel
-    if p.cp == 1:
-        return mesh["dp_replicate", "dp_shard"] if p.dp_replicate > 1 else mesh["dp_shard"]
+    if dims.cp == 1:
+        return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     # DeviceMesh._flatten: private in torch 2.13, as torchtitan uses it.
     flat = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
-    if p.dp_replicate == 1:
+    if dims.dp_replicate == 1:
         return flat
     with warnings.catch_warnings():
         # torch 2.13 warns that slicing a flattened dim from the root mesh "will be deprecated in PT 2.11"; it is
@@ -40,26 +55,26 @@ def fsdp_mesh(mesh: Any, cfg: JobConfig) -> Any:
         return mesh["dp_replicate", "dp_shard_cp"]
 
 
-def mixed_precision(cfg: JobConfig) -> Any:
+def mixed_precision(fsdp: FSDPOptions) -> Any:
     """FSDP2's ``MixedPrecisionPolicy`` from the job's param_dtype and reduce_dtype; forward inputs are not cast
     (torchtitan's ``cast_forward_inputs=False``: the embedding's output is already in param_dtype)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    t = cfg.training
     return MixedPrecisionPolicy(
-        param_dtype=DTYPES[t.param_dtype] if t.param_dtype else None,
-        reduce_dtype=DTYPES[t.reduce_dtype] if t.reduce_dtype else None,
+        param_dtype=DTYPES[fsdp.param_dtype] if fsdp.param_dtype else None,
+        reduce_dtype=DTYPES[fsdp.reduce_dtype] if fsdp.reduce_dtype else None,
         cast_forward_inputs=False,
     )
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: Any, cfg: JobConfig) -> None:
-    """FSDP2 units and their reshard-after-forward choices as ``parallel.fsdp_wrap`` names them, then the root."""
+def apply_fsdp(model: nn.Module, dp_mesh: Any, fsdp: FSDPOptions, *, pp_enabled: bool) -> None:
+    """FSDP2 units and their reshard-after-forward choices as ``parallel.fsdp_wrap`` names them, then the root
+    (``pp_enabled``: the model is a pipeline stage)."""
     from torch.distributed.fsdp import fully_shard
 
-    mp = mixed_precision(cfg)
-    reshard = cfg.parallel.reshard_after_forward
-    if cfg.parallel.fsdp_wrap == "torchtitan-2024":
+    mp = mixed_precision(fsdp)
+    reshard = fsdp.reshard_after_forward
+    if fsdp.wrap == "torchtitan-2024":
         n = len(model.layers)
         for i, block in enumerate(model.layers.values()):
             # The last block stays unsharded: backward needs it at once.
@@ -68,7 +83,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, cfg: JobConfig) -> None:
         return
     # torchtitan 0.3.0's apply_fsdp_to_decoder with its "default" policy: the embedding and every block are resharded
     # after forward except under pipelining; the final norm and the head form one unit that is never resharded.
-    blocks_reshard = reshard and cfg.parallel.pp == 1
+    blocks_reshard = reshard and not pp_enabled
     config = {"mesh": dp_mesh, "mp_policy": mp}
     shard_embedding_and_head(model, config, blocks_reshard)
     for block in model.layers.values():

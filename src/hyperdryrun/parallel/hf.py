@@ -26,20 +26,22 @@ from hyperdryrun.parallel.fsdp import fsdp_enabled, fsdp_mesh, mixed_precision
 from hyperdryrun.world.values import ValueRuleError, active_rules
 
 if TYPE_CHECKING:
-    from hyperdryrun.config import JobConfig
+    from hyperdryrun.parallel.fsdp import FSDPOptions
+    from hyperdryrun.parallel.options import ParallelizeOptions
+    from hyperdryrun.parallel_dims import ParallelDims
 
 _NONZERO = torch.ops.aten.nonzero.default
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 
 
-def parallelize_hf(model: nn.Module, mesh: Any, cfg: JobConfig) -> nn.Module:
+def parallelize_hf(model: nn.Module, mesh: Any, dims: ParallelDims, options: ParallelizeOptions) -> nn.Module:
     """TP from the model's own plan, routing from the value rules, then AC, then FSDP2 per decoder layer."""
-    if cfg.parallel.tp > 1:
+    if dims.tp > 1:
         apply_hf_tp(model, mesh["tp"])
     apply_hf_routing(model)
-    apply_hf_ac(model, cfg.training.ac, cfg.training.ac_selective)
-    if fsdp_enabled(cfg):
-        apply_hf_fsdp(model, fsdp_mesh(mesh, cfg), cfg)
+    apply_hf_ac(model, options.ac, options.ac_selective)
+    if fsdp_enabled(dims, options.fsdp):
+        apply_hf_fsdp(model, fsdp_mesh(mesh, dims), options.fsdp)
     return model
 
 
@@ -90,12 +92,12 @@ def apply_hf_ac(model: nn.Module, mode: str, option: str) -> None:
         layers[i] = checkpoint_block(layers[i], mode, option)
 
 
-def apply_hf_fsdp(model: nn.Module, dp_mesh: Any, cfg: JobConfig) -> None:
+def apply_hf_fsdp(model: nn.Module, dp_mesh: Any, fsdp: FSDPOptions) -> None:
     """FSDP2 on every decoder layer, then on the root (torchtitan's order; the last layer stays unsharded)."""
     from torch.distributed.fsdp import fully_shard
 
-    mp, layers = mixed_precision(cfg), decoder_layers(model)
-    reshard = cfg.parallel.reshard_after_forward
+    mp, layers = mixed_precision(fsdp), decoder_layers(model)
+    reshard = fsdp.reshard_after_forward
     for i, block in enumerate(layers):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(layers) - 1)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)

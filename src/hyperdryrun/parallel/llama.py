@@ -12,15 +12,23 @@ from hyperdryrun.parallel.fsdp import apply_fsdp, fsdp_enabled, fsdp_mesh
 from hyperdryrun.parallel.tp import apply_tp, block_tp_plan
 
 if TYPE_CHECKING:
-    from hyperdryrun.config import JobConfig
+    from hyperdryrun.parallel.options import ParallelizeOptions
+    from hyperdryrun.parallel_dims import ParallelDims
 
 
-def parallelize_llama(model: nn.Module, mesh: Any, cfg: JobConfig) -> nn.Module:
+def parallelize_llama(
+    model: nn.Module, mesh: Any, dims: ParallelDims, options: ParallelizeOptions
+) -> nn.Module:
     """Apply TP, then AC, then FSDP2/HSDP, all torch-native, from outside the model."""
-    p = cfg.parallel
-    if p.tp > 1:
-        apply_tp(model, mesh["tp"], cfg, block_tp_plan)
-    apply_ac(model, cfg.training.ac, cfg.training.ac_selective)
-    if fsdp_enabled(cfg):
-        apply_fsdp(model, fsdp_mesh(mesh, cfg), cfg)
+    if dims.tp > 1:
+        apply_tp(
+            model,
+            mesh["tp"],
+            block_tp_plan,
+            sequence_parallel=dims.sequence_parallel,
+            loss_parallel=options.loss_parallel,
+        )
+    apply_ac(model, options.ac, options.ac_selective)
+    if fsdp_enabled(dims, options.fsdp):
+        apply_fsdp(model, fsdp_mesh(mesh, dims), options.fsdp, pp_enabled=dims.pp > 1)
     return model

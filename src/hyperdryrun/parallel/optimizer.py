@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from hyperdryrun.config import JobConfig
 
-
-def build_optimizer(params, cfg: JobConfig) -> torch.optim.Optimizer:
-    """AdamW, Adam or SGD over ``params`` with the job's learning rate, momentum and weight decay."""
-    t = cfg.training
-    impl = {
+def build_optimizer(
+    params, *, name: str, impl: str, lr: float, momentum: float, weight_decay: float
+) -> torch.optim.Optimizer:
+    """``name`` (AdamW, Adam or SGD) over ``params`` in implementation ``impl`` (foreach, fused, for-loop) with the
+    job's learning rate, momentum (SGD) and weight decay (``training.optimizer``, ``optimizer_impl``, ...)."""
+    kwargs = {
         "foreach": {"foreach": True},
         "fused": {"fused": True},
         "for-loop": {"foreach": False},
-    }[t.optimizer_impl]
-    if t.optimizer == "SGD":
-        return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay, **impl)
-    cls = torch.optim.AdamW if t.optimizer == "AdamW" else torch.optim.Adam
-    return cls(params, lr=t.lr, weight_decay=t.weight_decay, **impl)
+    }[impl]
+    if name == "SGD":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **kwargs)
+    cls = torch.optim.AdamW if name == "AdamW" else torch.optim.Adam
+    return cls(params, lr=lr, weight_decay=weight_decay, **kwargs)

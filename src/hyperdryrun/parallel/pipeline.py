@@ -20,13 +20,12 @@ from torch import nn
 
 from hyperdryrun.compat import torch_pipelining
 from hyperdryrun.compat.torch_pipelining import last_stage_outputs_unchecked, metadata_vote, receive_buffer
-from hyperdryrun.parallel.fsdp import DTYPES, fsdp_enabled
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import Category
 from hyperdryrun.trace.tracker import active_tracker
 
 if TYPE_CHECKING:
-    from hyperdryrun.config import JobConfig
+    from hyperdryrun.parallel_dims import ParallelDims
 
 
 class PipelineError(RuntimeError):
@@ -48,10 +47,10 @@ def stage_layer_counts(n_layers: int, num_stages: int, explicit: list[int] | Non
     return counts
 
 
-def stage_layer_ranges(cfg: JobConfig) -> list[range]:
-    """Global decoder-layer indices of every pipeline stage, in stage order."""
-    p = cfg.parallel
-    counts = stage_layer_counts(cfg.model.args().n_layers, p.pp_num_stages, p.pp_stage_layers)
+def stage_layer_ranges(n_layers: int, dims: ParallelDims) -> list[range]:
+    """Global decoder-layer indices of every pipeline stage of ``n_layers`` decoder layers, in stage order."""
+    explicit = None if dims.pp_stage_layers is None else list(dims.pp_stage_layers)
+    counts = stage_layer_counts(n_layers, dims.num_stages, explicit)
     ranges, start = [], 0
     for n in counts:
         ranges.append(range(start, start + n))
@@ -66,23 +65,18 @@ class PipelineStages(nn.ModuleDict):
         raise RuntimeError("pipeline stages are run by the schedule, not called as one module")
 
 
-def split_stages(model: nn.Module, cfg: JobConfig, stage_ids: tuple[int, ...]) -> list[nn.Module]:
+def split_stages(
+    model: nn.Module, ranges: list[range], stage_ids: tuple[int, ...], cut: Callable[..., None]
+) -> list[nn.Module]:
     """This rank's stage modules cut from the whole (meta) model, torchtitan's ``pipeline_module_split`` way, by
-    the model family's pipeline cut."""
-    ranges = stage_layer_ranges(cfg)
-    last = cfg.parallel.pp_num_stages - 1
-    cut = cfg.model.family.pipeline_cut
+    the model family's pipeline cut (``ranges``: every stage's decoder layers, :func:`stage_layer_ranges`)."""
+    last = len(ranges) - 1
     parts = []
     for k, s in enumerate(stage_ids):
         part = model if k == len(stage_ids) - 1 else copy.deepcopy(model)
         cut(part, ranges[s], embedding=s == 0, head=s == last)
         parts.append(part)
     return parts
-
-
-def _activation_dtype(cfg: JobConfig) -> torch.dtype:
-    t = cfg.training
-    return DTYPES[t.param_dtype] if fsdp_enabled(cfg) and t.param_dtype else DTYPES[t.dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,22 +104,6 @@ class StageShapes:
     output_placements: tuple | None = None
     """Placements on ``mesh`` of the last stage's output (None: a local tensor)."""
 
-    @classmethod
-    def of(cls, cfg: JobConfig) -> StageShapes:
-        """The built-in job's stage shapes."""
-        p, t, m = cfg.parallel, cfg.training, cfg.model.args()
-        return cls(
-            t.micro_batch_size,
-            t.seq_len,
-            m.dim,
-            m.vocab_size,
-            _activation_dtype(cfg),
-            p.pp_num_stages,
-            p.tp,
-            p.sequence_parallel,
-            p.loss_parallel,
-        )
-
 
 class StageIO(NamedTuple):
     """Example (meta) tensors of one stage, as ``PipelineStage`` takes them to skip shape inference (None: not
@@ -135,11 +113,6 @@ class StageIO(NamedTuple):
     outputs: tuple
     output_grads: tuple | None = None
     input_grads: tuple | None = None
-
-
-def stage_io_examples(cfg: JobConfig, stage: int, tp_mesh: Any) -> StageIO:
-    """:func:`stage_io` of the built-in job ``cfg``."""
-    return stage_io(StageShapes.of(cfg), stage, tp_mesh)
 
 
 def stage_io(shapes: StageShapes, stage: int, tp_mesh: Any) -> StageIO:
@@ -315,25 +288,37 @@ class DecoderPipeline:
     """The pipeline-parallel part of the built-in recipe, for every built-in decoder (Llama and MoE): split +
     parallelize (on meta), then each step runs the schedule over this rank's stages and the optimizer.
 
-    >>> pipe = DecoderPipeline(cfg, parallelize_stage, loss_fn, loss_context)
+    ``dims`` and ``rank``: the layout and this rank's place in it; ``n_layers`` and ``cut``: the decoder's layers
+    and its family's pipeline cut; ``shapes``: what flows between stages (one micro batch).
+
+    >>> pipe = DecoderPipeline(dims, rank, n_layers, cut, shapes, num_micro_batches, parallelize_stage, loss_fn)
     >>> simulate(..., parallelize_fn=pipe.parallelize, step_fn=pipe.step)
     """
 
     def __init__(
         self,
-        cfg: JobConfig,
+        dims: ParallelDims,
+        rank: int,
+        n_layers: int,
+        cut: Callable[..., None],
+        shapes: StageShapes,
+        num_micro_batches: int,
         parallelize_stage: Callable[[nn.Module, Any], nn.Module | None],
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
-        self.cfg = cfg
+        self.dims, self.rank = dims, rank
+        self.ranges = stage_layer_ranges(n_layers, dims)
+        self.cut = cut
+        self.shapes = shapes
+        self.num_micro_batches = num_micro_batches
         self.parallelize_stage = parallelize_stage
         self.loss_fn = loss_fn
         self.loss_context = loss_context
-        coords = cfg.dims.coordinates(cfg.world.rank)
+        coords = dims.coordinates(rank)
         self.pp_rank = coords.pp
         self.stage_ids = coords.stages
-        self.num_stages = cfg.parallel.pp_num_stages
+        self.num_stages = dims.num_stages
         self.schedule: Any = None
         self._mesh: Any = None
 
@@ -350,13 +335,13 @@ class DecoderPipeline:
         mesh_pp = mesh["pp"].get_local_rank()
         if mesh_pp != self.pp_rank:
             raise PipelineError(
-                f"the mesh puts this rank on pipeline rank {mesh_pp}, the job's rank {self.cfg.world.rank} "
+                f"the mesh puts this rank on pipeline rank {mesh_pp}, the job's rank {self.rank} "
                 f"is on pipeline rank {self.pp_rank}"
             )
         self._mesh = mesh
         parts = [
             self.parallelize_stage(part, mesh) or part
-            for part in split_stages(model, self.cfg, self.stage_ids)
+            for part in split_stages(model, self.ranges, self.stage_ids, self.cut)
         ]
         if len(parts) == 1:
             return parts[0]
@@ -368,14 +353,14 @@ class DecoderPipeline:
     def _build_schedule(self, model: nn.Module, device: torch.device) -> Any:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-        cls = get_schedule_class(self.cfg.parallel.pp_schedule)
-        tp_mesh = self._mesh["tp"] if self.cfg.parallel.tp > 1 else None
-        shapes, group = StageShapes.of(self.cfg), self._mesh["pp"].get_group()
+        cls = get_schedule_class(self.dims.pp_schedule)
+        tp_mesh = self._mesh["tp"] if self.dims.tp > 1 else None
+        shapes, group = self.shapes, self._mesh["pp"].get_group()
         stages = [
             tracked_stage(part, s, device, group, shapes, tp_mesh)
             for s, part in zip(self.stage_ids, self._parts(model), strict=True)
         ]
-        n = self.cfg.training.num_micro_batches
+        n = self.num_micro_batches
         if issubclass(cls, PipelineScheduleSingle):
             return cls(stages[0], n_microbatches=n, loss_fn=self.loss_fn, scale_grads=True)
         return cls(stages, n_microbatches=n, loss_fn=self.loss_fn, scale_grads=True)
@@ -410,17 +395,16 @@ class DecoderPipeline:
 
     def metadata(self) -> dict[str, Any]:
         """What the report says about this rank's place in the pipeline."""
-        ranges = stage_layer_ranges(self.cfg)
-        p = self.cfg.parallel
+        ranges = self.ranges
         return {
-            "schedule": p.pp_schedule,
+            "schedule": self.dims.pp_schedule,
             "pp_rank": self.pp_rank,
             "num_stages": self.num_stages,
-            "stages_per_rank": p.pp_stages_per_rank,
+            "stages_per_rank": self.dims.stages_per_rank,
             "stage_indices": list(self.stage_ids),
             "stage_layers": {str(s): [ranges[s].start, ranges[s].stop] for s in self.stage_ids},
             "layers_per_stage": [len(r) for r in ranges],
-            "num_micro_batches": self.cfg.training.num_micro_batches,
+            "num_micro_batches": self.num_micro_batches,
             "has_embedding": self.has_first,
             "has_head": self.has_last,
         }

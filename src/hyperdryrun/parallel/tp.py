@@ -8,18 +8,22 @@ decoder-block plan (:mod:`hyperdryrun.parallel.train_spec`): :func:`block_tp_pla
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
-
-if TYPE_CHECKING:
-    from hyperdryrun.config import JobConfig
 
 BlockPlan = Callable[[nn.Module, Any], dict]
 """A decoder block's TP plan: ``(block, sequence layout) -> {submodule FQN: ParallelStyle}``."""
 
 
-def apply_tp(model: nn.Module, tp_mesh: Any, cfg: JobConfig, block_plan: BlockPlan | None = None) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: Any,
+    block_plan: BlockPlan | None = None,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> None:
     """TP of the embedding, the head and every decoder block (``block_plan``, default :func:`block_tp_plan`),
     with sequence parallel and loss parallel as the job says."""
     from torch.distributed.tensor import Replicate, Shard
@@ -31,7 +35,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any, cfg: JobConfig, block_plan: BlockPl
         parallelize_module,
     )
 
-    sp, lp = cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel
+    sp, lp = sequence_parallel, loss_parallel
     seq = Shard(1) if sp else Replicate()
     # The final norm's output is gathered to replicated hidden states (torchtitan 0.3.0's pre_lm_head_norm_config),
     # so that a chunked loss can split them; the head takes them replicated.

@@ -3,7 +3,7 @@ its expert-parallel plan where it has routed experts, and the parallelize functi
 
 The model half (argument class, presets, model class, initialiser, pipeline cut) is the
 :class:`~hyperdryrun.models.registry.ModelFamily` each spec holds; the recipe reads both through
-:func:`train_spec`.
+:func:`get_train_spec`.
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ from hyperdryrun.parallel.llama import parallelize_llama
 from hyperdryrun.parallel.tp import BlockPlan, block_tp_plan
 
 if TYPE_CHECKING:
-    from hyperdryrun.config import JobConfig
+    from hyperdryrun.parallel.options import ParallelizeOptions
+    from hyperdryrun.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
 class TrainSpec:
-    """A model family and how it is parallelized: ``parallelize(model, mesh, cfg)`` applies TP with ``tp_plan``
+    """A model family and how it is parallelized: ``parallelize(model, mesh, dims, options)`` (torchtitan's
+    parallelize functions, given the degrees and the options they use) applies TP with ``tp_plan``
     (one decoder block's plan), EP with ``ep_plan`` (None for a dense family), AC and FSDP, in the family's order."""
 
     family: ModelFamily
-    parallelize: Callable[[nn.Module, Any, JobConfig], nn.Module]
+    parallelize: Callable[[nn.Module, Any, ParallelDims, ParallelizeOptions], nn.Module]
     tp_plan: BlockPlan
     ep_plan: Callable[..., None] | None = None
 
@@ -58,11 +60,6 @@ def get_train_spec(family: str) -> TrainSpec:
         raise KeyError(
             f"model family {family!r} has no train spec; register one with register_train_spec"
         ) from None
-
-
-def train_spec(cfg: JobConfig) -> TrainSpec:
-    """The train spec of the job's model."""
-    return get_train_spec(cfg.model.family.name)
 
 
 LLAMA_SPEC = register_train_spec(TrainSpec(LLAMA, parallelize=parallelize_llama, tp_plan=block_tp_plan))

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hyperdryrun.config import JobConfig
-    from hyperdryrun.parallel.dims import ParallelDims, RankCoordinates
+    from hyperdryrun.parallel_dims import ParallelDims, RankCoordinates
 
 Split = tuple[str, int]
 """(group, tensor dim): the tensor dim split over the group: ``tp``, ``ep``, ``fsdp`` (dp_shard x cp, the mesh
@@ -117,7 +117,7 @@ def _ffn(name: str, dim: int, hidden: int) -> list[tuple[str, tuple[int, ...], i
 
 def layer_params(cfg: JobConfig, layer: int) -> list[ParamSpec]:
     """The parameters of decoder layer ``layer`` with their splits (``layers.<layer>`` prefix left out)."""
-    from hyperdryrun.parallel.fsdp import fsdp_enabled
+    from hyperdryrun.recipe import fsdp_applied
 
     args, p, moe = cfg.model.args(), cfg.parallel, cfg.model.is_moe
     d = args.dim
@@ -130,7 +130,7 @@ def layer_params(cfg: JobConfig, layer: int) -> list[ParamSpec]:
         experts = _expert_params(cfg)
     else:
         plain += _ffn("feed_forward", d, args.ffn_dim)
-    fsdp = (("fsdp", 0),) if fsdp_enabled(cfg) else ()
+    fsdp = (("fsdp", 0),) if fsdp_applied(cfg) else ()
     out = []
     for name, shape, tp_dim in plain:
         tp = (("tp", tp_dim),) if p.tp > 1 and tp_dim is not None else ()
@@ -143,7 +143,7 @@ def _expert_params(cfg: JobConfig) -> list[ParamSpec]:
     ``TensorParallel`` / ``ExpertTensorParallel``), FSDP2 over ``dp_shard`` (ep = 1) or ``dp_shard / ep`` on the
     expert dim, or on dim 1 when the ranks sharding them outnumber the experts (``apply_moe_fsdp``: ep x efsdp with
     EP; without EP, torchtitan 0.3.0's units compare every FSDP rank, its 2024 units never shard on dim 1)."""
-    from hyperdryrun.parallel.fsdp import fsdp_enabled
+    from hyperdryrun.recipe import fsdp_applied
 
     args, p = cfg.model.args(), cfg.parallel
     e, f, d = args.num_experts, args.moe_ffn_dim, args.dim
@@ -154,7 +154,7 @@ def _expert_params(cfg: JobConfig) -> list[ParamSpec]:
             splits.append(("ep", 0))
         if p.tp > 1:
             splits.append(("tp", tp_dim))
-        if fsdp_enabled(cfg):
+        if fsdp_applied(cfg):
             if p.ep > 1:
                 efsdp = p.dp_shard // p.ep
                 splits.append(("efsdp", 1 if efsdp * p.ep > e else 0))
@@ -168,13 +168,13 @@ def _expert_params(cfg: JobConfig) -> list[ParamSpec]:
 def stage_params(cfg: JobConfig, stages: tuple[int, ...]) -> list[ParamSpec]:
     """Every parameter of the stages a rank holds (the whole model without pipelining), equal layers folded into
     one spec with its ``count``."""
-    from hyperdryrun.parallel.fsdp import fsdp_enabled
+    from hyperdryrun.recipe import fsdp_applied
 
     args, p = cfg.model.args(), cfg.parallel
     if p.pp > 1:
         from hyperdryrun.parallel.pipeline import stage_layer_ranges
 
-        ranges = stage_layer_ranges(cfg)
+        ranges = stage_layer_ranges(cfg.model.args().n_layers, cfg.dims)
         layers = [i for s in stages for i in ranges[s]]
         first, last = 0 in stages, p.pp_num_stages - 1 in stages
     else:
@@ -189,7 +189,7 @@ def stage_params(cfg: JobConfig, stages: tuple[int, ...]) -> list[ParamSpec]:
         out += [
             ParamSpec(f"layers.*.{s.name}", s.shape, s.splits, count) for s in layer_params(cfg, sample_layer)
         ]
-    fsdp = (("fsdp", 0),) if fsdp_enabled(cfg) else ()
+    fsdp = (("fsdp", 0),) if fsdp_applied(cfg) else ()
     tp = (("tp", 0),) if p.tp > 1 else ()
     if first:
         out.append(ParamSpec("tok_embeddings.weight", (args.vocab_size, args.dim), tp + fsdp))
@@ -236,7 +236,7 @@ def _layers_of(cfg: JobConfig, stages: tuple[int, ...]) -> Iterator[int]:
         return
     from hyperdryrun.parallel.pipeline import stage_layer_ranges
 
-    ranges = stage_layer_ranges(cfg)
+    ranges = stage_layer_ranges(cfg.model.args().n_layers, cfg.dims)
     for s in stages:
         yield from ranges[s]
 

@@ -312,7 +312,7 @@ def _own_stages(cfg: JobConfig, n_dense: int) -> list[StageRun]:
         return [StageRun(None, d, args.n_layers - d)]
     from hyperdryrun.parallel.pipeline import stage_layer_ranges
 
-    ranges = stage_layer_ranges(cfg)
+    ranges = stage_layer_ranges(cfg.model.args().n_layers, cfg.dims)
     out = []
     for s in cfg.dims.coordinates(cfg.world.rank).stages:
         r = ranges[s]

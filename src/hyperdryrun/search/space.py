@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hyperdryrun.bounds import MAX_MICRO_BATCHES, MAX_RANKS, MAX_TOKENS, shown_number
-from hyperdryrun.parallel.dims import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, V_SCHEDULES, ParallelDims
+from hyperdryrun.parallel_dims import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, V_SCHEDULES, ParallelDims
 
 if TYPE_CHECKING:
     from hyperdryrun.config import JobConfig

@@ -13,7 +13,7 @@ import pytest
 from hyperdryrun.config import TrainingConfig
 from hyperdryrun.models.llama import PRESETS
 from hyperdryrun.models.moe import PRESETS as MOE_PRESETS
-from hyperdryrun.parallel.dims import MESH_DIMS, ParallelDims, RankCoordinates
+from hyperdryrun.parallel_dims import MESH_DIMS, ParallelDims, RankCoordinates
 
 TINY = PRESETS["llama-tiny"]  # dim 64, 4 heads, 2 kv heads, ffn 128, vocab 256, 2 layers
 MOE_TINY = MOE_PRESETS["moe-tiny"]  # the same attention, 4 experts, top 2, expert ffn 32

@@ -1,7 +1,9 @@
 """The parallel layout of a job: its degrees, its device mesh, every rank's coordinates and the rules a layout obeys.
 
-Plain arithmetic that imports nothing above the model registry (no torch, no config): the job config validates
-with :meth:`ParallelDims.problems`, a layout search can call it on thousands of candidates, and
+Plain arithmetic that imports nothing above the model registry (no torch, no config), below both the job config and
+the parallelisms: the job config validates with :meth:`ParallelDims.problems` (:attr:`JobConfig.dims
+<hyperdryrun.config.JobConfig.dims>` makes the dims of a job), the functions of :mod:`hyperdryrun.parallel` take
+the dims and the options they use, a layout search calls it on thousands of candidates, and
 :class:`~hyperdryrun.world.SimulatedWorld` builds the device mesh from :attr:`ParallelDims.mesh_shape` and
 :attr:`ParallelDims.mesh_dim_names` (torchtitan's ``ParallelDims``, without the mesh it builds there).
 """
@@ -86,25 +88,6 @@ class ParallelDims:
         others = self.non_dp_shard_size
         if self.dp_shard is None and others > 0 and self.world_size % others == 0:
             object.__setattr__(self, "dp_shard", self.world_size // others)
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> ParallelDims:
-        """The dims of a job config (its ``parallel`` section and ``world.world_size``)."""
-        p = cfg.parallel
-        return cls(
-            world_size=cfg.world.world_size,
-            dp_replicate=p.dp_replicate,
-            dp_shard=p.dp_shard,
-            cp=p.cp,
-            tp=p.tp,
-            pp=p.pp,
-            ep=p.ep,
-            etp=p.etp,
-            pp_schedule=p.pp_schedule,
-            pp_virtual_stages=p.pp_virtual_stages,
-            pp_stage_layers=None if p.pp_stage_layers is None else tuple(p.pp_stage_layers),
-            sequence_parallel=p.sequence_parallel,
-        )
 
     # ------------------------------------------------------------------ the mesh
     @property
