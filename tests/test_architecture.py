@@ -162,6 +162,50 @@ def test_no_import_cycles(graph):
     assert import_cycles(without(graph, EXCEPTIONS)) == []
 
 
+def named_files(markdown: str, package_dir: Path, root: Path) -> list[str]:
+    """The ``.py`` files ``markdown`` names that do not exist. In the package tree (the first fenced block) a name
+    is relative to its row's folders (``report/``, ``integrations/, child.py``) or to the package; elsewhere a path
+    with a folder is relative to the package or the repository, a bare name is a module anywhere in the package.
+    ``<name>`` placeholders are skipped."""
+    modules = {path.name for path in package_dir.rglob("*.py")}
+    block = re.search(r"^```\n(.*?)^```", markdown, re.M | re.S)
+    tree = block[1] if block else ""
+    missing: list[str] = []
+    folders: list[str] = []
+    for line in tree.splitlines():
+        head = line[:29].strip()
+        if head:
+            folders = [f for f in re.findall(r"[\w/]+/", head)]
+        for name in re.findall(r"(?<![\w<>/.])([\w/]+\.py)\b", line):
+            bases = [package_dir / f for f in folders] + [package_dir]
+            if not any((base / name).exists() for base in bases):
+                missing.append(name)
+    rest = markdown.replace(tree, "")
+    for name in re.findall(r"(?<![\w<>/.])([\w/]+\.py)\b", rest):
+        if "/" in name:
+            if not ((package_dir / name).exists() or (root / name).exists()):
+                missing.append(name)
+        elif name not in modules:
+            missing.append(name)
+    return sorted(set(missing))
+
+
+def test_every_file_the_architecture_page_names_exists():
+    assert named_files(ARCHITECTURE.read_text(), SRC / PACKAGE, ROOT) == []
+
+
+def test_the_named_files_check_reads_the_tree_by_row_folder(tmp_path):
+    pkg = _package(tmp_path, {"__init__.py": "", "low.py": "", "mid/__init__.py": "", "mid/a.py": ""}) / "pkg"
+    page = (
+        "```\nlow.py                       the bottom\nmid/                         a.py, b.py, low.py\n```\n"
+    )
+    assert named_files(page, pkg, tmp_path) == ["b.py"]  # low.py: the package's, beside mid/'s own
+    assert named_files("Prose: `mid/a.py`, `a.py`, `mid/c.py`, `zzz.py`.", pkg, tmp_path) == [
+        "mid/c.py",
+        "zzz.py",
+    ]
+
+
 def test_every_module_is_in_a_layer(graph, layers):
     for module in graph:
         layer_of(module, PACKAGE, layers)  # raises, naming the module
