@@ -42,6 +42,25 @@ def test_dp_shard_defaults_to_what_the_world_leaves(parallel, world, dp_shard):
     assert cfg.dims == ParallelDims(world_size=world, **parallel)
 
 
+def test_with_changes_is_the_job_built_with_those_fields_and_leaves_the_original_alone():
+    given = {"model": {"name": "llama-tiny"}, "world": {"world_size": 8}, "training": {"seq_len": 64}}
+    cfg = build_config(given)
+    changed = cfg.with_changes(parallel={"tp": 2}, world={"rank": 5}, margin_gib=None)
+    written_out = {**given, "parallel": {"tp": 2}, "world": {"world_size": 8, "rank": 5}}
+    assert changed.model_dump() == build_config(written_out).model_dump()
+    assert (changed.parallel.dp_shard, changed.dims.coordinates(5).tp) == (4, 1)  # dp_shard: what tp 2 leaves
+    assert changed.model is cfg.model and changed.training is cfg.training  # carried over, not rebuilt
+    assert (cfg.parallel.tp, cfg.parallel.dp_shard, cfg.world.rank) == (1, 8, 0)
+    # a field the section was not given stays ungiven: ac_selective is still no error under ac none
+    assert cfg.with_changes(training={"ac": "none"}).training.ac_selective == "op"
+    with pytest.raises(ConfigError, match=r"^world: rank=8 must be < world_size=8$"):
+        cfg.with_changes(world={"rank": 8})
+    with pytest.raises(ConfigError, match=r"world_size=8 is not divisible by dp_replicate\*cp\*tp\*pp=3"):
+        cfg.with_changes(
+            parallel={"tp": 3}
+        )  # dp_shard was not given: the world's rest, which 3 does not divide
+
+
 def test_dims_give_the_rank_coordinates():
     cfg = build_config(
         {

@@ -574,6 +574,24 @@ class JobConfig(_Strict):
     def local_rank(self) -> int:
         return self.world.rank if self.world.local_rank is None else self.world.local_rank
 
+    def with_changes(self, **changes: Any) -> JobConfig:
+        """This job with some fields changed, validated as a whole as :func:`build_config` validates a new one
+        (:class:`ConfigError` naming the first problem): a section by a mapping of its fields
+        (``cfg.with_changes(parallel={"tp": 2}, world={"rank": 3})``), a top-level field by its value. What is
+        not changed is carried over typed, not dumped and read back; a changed section keeps the fields it was given
+        (``model_fields_set``, which :meth:`_check_effective` reads) and takes the rest from their defaults and
+        validators (``parallel.dp_shard`` from the world)."""
+        update: dict[str, Any] = {}
+        for name, value in changes.items():
+            section = getattr(self, name)
+            if isinstance(section, BaseModel):  # the fields it was given, and the changes, validated under its name
+                value = {**{k: getattr(section, k) for k in section.model_fields_set}, **value}
+            update[name] = value
+        try:
+            return type(self).model_validate({**dict(self), **update})
+        except ValidationError as err:
+            raise ConfigError(_format_error(err)) from None
+
 
 def _default(model: type[BaseModel], field: str) -> Any:
     """The default of ``model.field``: the one place it is written is the field's declaration."""

@@ -13,7 +13,7 @@ from hyperdryrun.search.cache import ResultCache
 from hyperdryrun.search.executors import InlineExecutor, TaskResult
 from hyperdryrun.search.extrapolate import EXTRAPOLATED, FULL, PhasePeak, StepFigures
 from hyperdryrun.search.fit import FITS, OOM, FitJob, fit
-from hyperdryrun.search.space import SearchSpace
+from hyperdryrun.search.space import SearchSpace, base_job
 
 GIB = 2**30
 # llama-tiny with 8 layers, 2 ranks of FSDP, 12 sequences of 64 a step: one layout, 6 micro batches of 1 a rank,
@@ -21,6 +21,7 @@ GIB = 2**30
 BASE = build_config(
     {"model": {"name": "llama-tiny", "n_layers": 8}, "world": {"world_size": 2}, "training": {"seq_len": 64}}
 ).model_dump()
+BASE_JOB = base_job(build_config(BASE))
 SPACE = SearchSpace(tp=(1,), pp=(1,), micro_batch_sizes=(1,), ac=("none",))
 
 
@@ -36,7 +37,7 @@ def _direct(rank: int) -> dict:
 
 
 def test_an_extrapolated_layout_that_fits_is_judged_on_the_device_figure_of_full_runs(any_saving):
-    outcome = fit(FitJob(BASE, 4 * GIB, 12, SPACE, top=1), InlineExecutor(), ResultCache(None))
+    outcome = fit(FitJob(BASE_JOB, 4 * GIB, 12, SPACE, top=1), InlineExecutor(), ResultCache(None))
     (r,) = outcome.results
     assert r.status == FITS and r.basis == "device"
     assert r.classes and all(c.confirmed and c.figures.method == FULL for c in r.classes)
@@ -55,7 +56,7 @@ def test_a_layout_over_the_capacity_on_the_device_figure_is_an_oom_though_its_al
     allocated, device = summary["peak_bytes"], summary["peak_device_bytes"]
     assert allocated < device
     capacity = (allocated + device) // 2
-    outcome = fit(FitJob(BASE, capacity, 12, SPACE, top=1), InlineExecutor(), ResultCache(None))
+    outcome = fit(FitJob(BASE_JOB, capacity, 12, SPACE, top=1), InlineExecutor(), ResultCache(None))
     (r,) = outcome.results
     assert r.status == OOM and "device peak" in r.reason
     assert outcome.ranked() == []
@@ -88,7 +89,7 @@ class Scripted:
 def test_when_the_fastest_layout_fails_its_confirmation_the_search_goes_on_to_the_next():
     space = SearchSpace(tp=(1,), pp=(1,), micro_batch_sizes=(1, 2), ac=("none",))
     executor = Scripted()
-    outcome = fit(FitJob(BASE, 2 * GIB, 12, space, top=1), executor, ResultCache(None))
+    outcome = fit(FitJob(BASE_JOB, 2 * GIB, 12, space, top=1), executor, ResultCache(None))
     by_mbs = {r.candidate.layout.micro_batch_size: r for r in outcome.results}
     first, second = executor.first, 3 - executor.first
     assert by_mbs[first].status == OOM and by_mbs[second].status == FITS

@@ -12,7 +12,7 @@ from hyperdryrun.search.cache import ResultCache
 from hyperdryrun.search.extrapolate import FULL, PhasePeak, StepFigures
 from hyperdryrun.search.fit import AT_RISK, FITS, FitJob, fit
 from hyperdryrun.search.space import SearchSpace
-from tests.search.test_fit_confirm import BASE
+from tests.search.test_fit_confirm import BASE_JOB
 
 GIB = 2**30
 SPACE = SearchSpace(tp=(1,), pp=(1,), micro_batch_sizes=(1, 2), ac=("none",))
@@ -42,7 +42,7 @@ class Scripted:
 def _search(top: int, margin: int = MARGIN):
     executor = Scripted()
     job = FitJob(
-        BASE, CAPACITY, 12, SPACE, top=top, shortcut=False, margin_bytes=margin, margin_source="test"
+        BASE_JOB, CAPACITY, 12, SPACE, top=top, shortcut=False, margin_bytes=margin, margin_source="test"
     )
     outcome = fit(job, executor, ResultCache(None))
     by_mbs = {r.candidate.layout.micro_batch_size: r for r in outcome.results}

@@ -136,7 +136,7 @@ def register(subparsers: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the request
-def _base_job(args: argparse.Namespace) -> dict[str, Any]:
+def _base_job(args: argparse.Namespace) -> Any:
     """The job every candidate shares, validated (its errors name the flag)."""
     data: dict[str, Any] = load_yaml(args.config) if args.config else {}
     for section in ("parallel", "training"):
@@ -263,7 +263,7 @@ def fit_job_from_args(args: argparse.Namespace) -> Any:
     from hyperdryrun.search.fit import FitJob
 
     base = _base_job(args)
-    is_moe = build_config({"model": base["model"]}).model.is_moe
+    is_moe = base.model.is_moe
     target = _target(args)
     capacity = target.capacity_bytes
     if args.top < 0:
@@ -273,7 +273,7 @@ def fit_job_from_args(args: argparse.Namespace) -> Any:
     return FitJob(
         base=base,
         capacity_bytes=capacity,
-        global_batch_seqs=_global_seqs(args, base["training"]["seq_len"]),
+        global_batch_seqs=_global_seqs(args, base.training.seq_len),
         space=_space(args, is_moe),
         rates=_rates(args, target),
         gpu=target.gpu,
@@ -432,14 +432,14 @@ def outcome_dict(outcome: Any) -> dict[str, Any]:
     return {
         "kind": "hyperdryrun-fit",
         "schema_version": "1.0",
-        "model": job.base["model"],
-        "world_size": job.base["world"]["world_size"],
+        "model": job.base.model.model_dump(),
+        "world_size": job.base.world.world_size,
         "gpu": job.gpu,
         "capacity_bytes": job.capacity_bytes,
         "margin_bytes": job.margin_bytes,
         "margin_source": job.margin_source,
         "global_batch_seqs": job.global_batch_seqs,
-        "seq_len": job.base["training"]["seq_len"],
+        "seq_len": job.base.training.seq_len,
         "top": job.top,
         "shortcut": job.shortcut,
         "rates": None if rates is None else {k: getattr(rates, k) for k in rates.__dataclass_fields__},
@@ -474,10 +474,10 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
     if not console.is_terminal:
         console = Console(width=160)
     job, c = outcome.job, outcome.counts()
-    seq = job.base["training"]["seq_len"]
+    seq = job.base.training.seq_len
     device = f"{job.gpu} " if job.gpu else ""
     console.print(
-        f"[bold]{job.base['model']['name']}[/] · {job.base['world']['world_size']} x {device}"
+        f"[bold]{job.base.model.name}[/] · {job.base.world.world_size} x {device}"
         f"({job.capacity_bytes / 2**30:.2f} GiB each) · global batch {job.global_batch_seqs * seq:,} tokens "
         f"({job.global_batch_seqs} x {seq})"
     )

@@ -352,18 +352,15 @@ def _stage_counts_solver(plan: Plan, n_dense: int) -> Callable[[int], list[int]]
 
 def sample_config(cfg: JobConfig, plan: Plan, point: SamplePoint) -> JobConfig:
     """``cfg`` with the sample's layers and micro batches (same rank, same layout otherwise)."""
-    from hyperdryrun.config import build_config
-
-    data = cfg.model_dump()
+    changes: dict[str, dict[str, Any]] = {"training": {"num_micro_batches": point.m}}
     if plan.stage_counts is not None:
         counts = plan.stage_counts(point.x)
-        data["parallel"]["pp_stage_layers"] = counts
-        data["model"]["n_layers"] = sum(counts)
+        changes["parallel"] = {"pp_stage_layers": counts}
+        changes["model"] = {"n_layers": sum(counts)}
     else:
         st = plan.stages[0]
-        data["model"]["n_layers"] = st.dense + plan.run_length(None, point.x)
-    data["training"]["num_micro_batches"] = point.m
-    return build_config(data)
+        changes["model"] = {"n_layers": st.dense + plan.run_length(None, point.x)}
+    return cfg.with_changes(**changes)
 
 
 # ---------------------------------------------------------------------------------------------- samples as data

@@ -30,7 +30,7 @@ from typing import Any
 
 from hyperdryrun.allocator import verdict
 from hyperdryrun.allocator.verdict import verdict_word
-from hyperdryrun.config import ConfigError
+from hyperdryrun.config import ConfigError, JobConfig
 from hyperdryrun.runner import BAD_INPUT
 from hyperdryrun.search.bounds import StateBound, worst_state_bound
 from hyperdryrun.search.cache import ResultCache, job_key, versions
@@ -50,10 +50,11 @@ RANKED = (FITS, AT_RISK)
 
 @dataclass(frozen=True)
 class FitJob:
-    """What a search is asked: the base job (a job config as a dict; its parallel degrees and batch are searched),
+    """What a search is asked: the base job (:func:`hyperdryrun.search.space.base_job`; its parallel degrees and
+    batch are searched),
     the capacity per device, the global batch in sequences, the space, the rates of the step-time estimate."""
 
-    base: dict[str, Any]
+    base: JobConfig
     capacity_bytes: int
     global_batch_seqs: int
     space: SearchSpace = SearchSpace()

@@ -177,32 +177,28 @@ def layouts(
                                     yield layout, problem
 
 
-def candidates(base: dict[str, Any], space: SearchSpace, global_batch_seqs: int) -> Iterator[Candidate]:
-    """The candidates of a search on the job ``base`` (a job config as a dict, world size included): each with its
-    config, or with the first problem its layout has (:meth:`ParallelDims.problems`, then the job config's own
-    checks)."""
-    from hyperdryrun.config import ConfigError, build_config
+def candidates(base: JobConfig, space: SearchSpace, global_batch_seqs: int) -> Iterator[Candidate]:
+    """The candidates of a search on the job ``base`` (:func:`base_job`, world size included): each with its
+    config (``base`` with the layout's fields, :meth:`JobConfig.with_changes`), or with the first problem its layout
+    has (:meth:`ParallelDims.problems`, then the job config's own checks)."""
+    from hyperdryrun.config import ConfigError
 
-    probe = build_config(
-        {k: v for k, v in base.items() if k in ("model", "training", "values", "target_device")}
-    )
-    args, is_moe = probe.model.args(), probe.model.is_moe
-    world = base["world"]["world_size"]
+    args, is_moe = base.model.args(), base.model.is_moe
+    world = base.world.world_size
     for i, (item, problem) in enumerate(layouts(space, world, global_batch_seqs, is_moe)):
         if problem:
             yield Candidate(i, item, problem=problem)
             continue
-        data = _merged(base, item.overrides())
-        dims = ParallelDims(
-            world_size=world, **{k: v for k, v in data["parallel"].items() if k in _DIM_FIELDS}
-        )
-        training = probe.training.model_copy(update=data["training"])
-        problems = dims.problems(args, training, probe.target_device, model_name=probe.model.name)
+        over = item.overrides()
+        parallel = {**dict(base.parallel), **over["parallel"]}
+        dims = ParallelDims(world_size=world, **{k: v for k, v in parallel.items() if k in _DIM_FIELDS})
+        training = base.training.model_copy(update=over["training"])
+        problems = dims.problems(args, training, base.target_device, model_name=base.model.name)
         if problems:
             yield Candidate(i, item, problem=problems[0])
             continue
         try:
-            yield Candidate(i, item, cfg=build_config(data))
+            yield Candidate(i, item, cfg=base.with_changes(**over))
         except ConfigError as err:
             yield Candidate(i, item, problem=str(err))
 
@@ -213,17 +209,9 @@ _DIM_FIELDS = (
 )  # fmt: skip
 
 
-def _merged(base: dict[str, Any], over: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
-    for section, fields in over.items():
-        out[section] = {**out.get(section, {}), **fields}
-    return out
-
-
-def base_job(cfg: JobConfig) -> dict[str, Any]:
-    """The parts of ``cfg`` a search keeps for every candidate (its parallel degrees and batch are searched)."""
-    data = cfg.model_dump()
-    data["world"] = {"world_size": cfg.world.world_size, "rank": 0, "local_rank": None}
-    for verdict_only in ("device_memory_gib", "margin_gib", "margin_pct"):
-        data.pop(verdict_only, None)
-    return data
+def base_job(cfg: JobConfig) -> JobConfig:
+    """The parts of ``cfg`` a search keeps for every candidate (its parallel degrees and batch are searched): rank 0
+    of its world, without the verdict's capacity and margin (the search judges against its own)."""
+    return cfg.with_changes(
+        world={"rank": 0, "local_rank": None}, device_memory_gib=None, margin_gib=None, margin_pct=None
+    )
