@@ -150,7 +150,7 @@ def worker(variants: list[str], model: str, layers: int, seq: int, reps: int) ->
                 lap("blocks")
                 trace.metadata = job_metadata(cfg)
                 trace.limitations = world.limitations
-                report = build_report(trace, cfg.device_memory_gib, cfg.live_set_limit)
+                report = build_report(trace, cfg.target, cfg.live_set_limit)
                 csv_text = blocks_csv(trace)
                 lap("build")
                 paths = write_reports(report, csv_text, cfg.output_dir, 0)

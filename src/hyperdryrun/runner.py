@@ -71,7 +71,7 @@ class RankOutcome:
 
     @property
     def oom(self) -> bool:
-        """Whether the rank's peak is over ``device_memory_gib`` (False when it failed or no capacity was given)."""
+        """Whether the rank's peak is over its target's capacity (False when it failed or there is no capacity)."""
         return self.error is None and bool(self.report.get("summary", {}).get("oom"))
 
     @property
@@ -131,9 +131,7 @@ def _simulate(cfg: JobConfig, capture_stacks: bool, execute: Execute | None, mod
             meta = {"mode": mode}
         report = error_report(err.stage, err.error, meta)
         return _Computed(rank, RankReport(rank, report), message, error_kind(err), _formatted(err))
-    return _Computed(
-        rank, RankReport.from_trace(trace, cfg.device_memory_gib, cfg.live_set_limit, cfg.margin)
-    )
+    return _Computed(rank, RankReport.from_trace(trace, cfg.target, cfg.live_set_limit))
 
 
 def _write(done: _Computed, output_dir: str, reporters: Sequence[str]) -> RankOutcome:

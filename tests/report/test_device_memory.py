@@ -13,6 +13,8 @@ from hyperdryrun.report import build_report, device_memory_of, segments_csv
 from hyperdryrun.report.build import CONTEXT_LINE, NCCL_LINE
 from hyperdryrun.report.console import headline
 from hyperdryrun.report.schema import GIB, SEGMENT_CSV_COLUMNS, SUMMARY_DEVICE_KEYS
+from hyperdryrun.world.runtime import CudaRuntime
+from hyperdryrun.world.target import DeviceTarget
 from tests.conftest import dry_run
 
 CONFIGS = {
@@ -139,7 +141,7 @@ def test_the_oom_verdict_is_on_device_bytes_for_a_job_that_fits_in_allocated_byt
     dm = device_memory_of(trace)
     capacity = (dm.peak_allocated + dm.peak_device) // 2  # room for every tensor, not for the device's total
     gib = capacity / GIB
-    s = build_report(trace, gib)["summary"]
+    s = build_report(trace, DeviceTarget(device_memory_gib=gib))["summary"]
     assert s["peak_bytes"] < s["peak_allocated_bytes"] < s["capacity_bytes"] < s["peak_device_bytes"]
     assert s["oom"] is True and s["verdict"].startswith("OOM")
     assert s["headroom_bytes"] == s["capacity_bytes"] - s["peak_device_bytes"] < 0
@@ -150,7 +152,9 @@ def test_the_oom_verdict_is_on_device_bytes_for_a_job_that_fits_in_allocated_byt
             tips = row["line"]
     assert s["verdict_line"] == tips and f"{tips} tips it" in s["verdict"]
     # judged on allocated bytes, as a CPU target is, the same capacity fits
-    cpu = build_report(dry_run(world__world_size=2, target_device="cpu"), gib)["summary"]
+    cpu = build_report(
+        dry_run(world__world_size=2, target_device="cpu"), DeviceTarget("cpu", device_memory_gib=gib)
+    )["summary"]
     assert cpu["oom"] is False and "peak_device_bytes" not in cpu
 
 
@@ -159,20 +163,20 @@ def test_without_outside_costs_the_caching_allocator_tips_it():
     trace.metadata["cuda"]["nccl"]["bytes"] = 0  # as if the communicators held nothing
     dm = device_memory_of(trace)
     capacity = dm.peak_allocated + (dm.peak_reserved - dm.peak_allocated) // 2
-    s = build_report(trace, capacity / GIB)["summary"]
+    s = build_report(trace, DeviceTarget(device_memory_gib=capacity / GIB))["summary"]
     assert s["oom"] is True and s["verdict_line"] == ALLOCATOR
 
 
 def test_a_capacity_that_fits_reports_device_headroom():
     trace = dry_run(world__world_size=2)
-    s = build_report(trace, 80)["summary"]
+    s = build_report(trace, DeviceTarget(device_memory_gib=80))["summary"]
     assert s["oom"] is False and s["verdict_line"] is None
     assert s["headroom_bytes"] == 80 * GIB - s["peak_device_bytes"]
     assert s["verdict"].startswith("fits: device peak")
 
 
 def test_the_console_shows_allocated_reserved_and_device_at_a_glance():
-    report = build_report(dry_run(world__world_size=2), 0.5)
+    report = build_report(dry_run(world__world_size=2), DeviceTarget(device_memory_gib=0.5))
     s = report["summary"]
     lines = headline(report)
     from hyperdryrun.report.schema import human_bytes
@@ -192,7 +196,11 @@ def test_the_console_shows_allocated_reserved_and_device_at_a_glance():
         "CUDA context 0.82 GiB"
     )  # 840 MiB
     assert lines[-2].startswith("[bold red]OOM[/]: over 0.50 GiB on the device by ")
-    cpu = headline(build_report(dry_run(world__world_size=2, target_device="cpu"), 0.5))
+    cpu = headline(
+        build_report(
+            dry_run(world__world_size=2, target_device="cpu"), DeviceTarget("cpu", device_memory_gib=0.5)
+        )
+    )
     assert not any("reserved" in line for line in cpu)
 
 
@@ -200,7 +208,7 @@ def test_gpu_presets_set_the_capacity_the_sdpa_kernel_and_the_cublas_workspace()
     ops = {}
     for gpu in ("a100-80gb", "h100-80gb", "h200"):
         trace = dry_run(world__world_size=2, cuda={"gpu": gpu})  # FSDP2: bf16 compute
-        s = build_report(trace)["summary"]
+        s = build_report(trace, DeviceTarget(runtime=CudaRuntime(gpu=gpu)))["summary"]
         ops[gpu] = {b.op for b in trace.blocks if "scaled_dot_product" in b.op and "backward" not in b.op}
         # torch's total_memory on each card (hyperdryrun.world.gpus cites where it is printed)
         cap = {"a100-80gb": round(79.15 * 1024) * 2**20, "h100-80gb": round(79.11 * 1024) * 2**20,
@@ -215,7 +223,8 @@ def test_gpu_presets_set_the_capacity_the_sdpa_kernel_and_the_cublas_workspace()
         "h200": {"_scaled_dot_product_cudnn_attention"},
     }
     # --device-memory-gib still overrides the preset's capacity
-    s = build_report(dry_run(cuda={"gpu": "h200"}), 40)["summary"]
+    h200_at_40 = DeviceTarget(runtime=CudaRuntime(gpu="h200"), device_memory_gib=40)
+    s = build_report(dry_run(cuda={"gpu": "h200"}), h200_at_40)["summary"]
     assert s["capacity_bytes"] == 40 * GIB and s["capacity_gib"] == 40
 
 
@@ -318,3 +327,13 @@ def test_a_hand_made_trace_reserves_one_segment_and_reads_its_peak_where_the_ste
         [str(base), str(20 * mib), "0", "compute", "large", "False", str(base + 6 * mib), str(14 * mib), "free", "",
          "0", "", ""],
     ]  # fmt: skip
+
+
+def test_the_capacity_comes_from_the_target_handed_down_not_the_trace_metadata():
+    trace = hand_trace()
+    trace.metadata["cuda"]["capacity_bytes"] = 1  # an untyped figure in the metadata is not what is judged
+    assert not {"capacity_bytes", "fit", "verdict"} & set(build_report(trace)["summary"])
+    s = build_report(trace, DeviceTarget(runtime=CudaRuntime(gpu="h200")))["summary"]
+    # torch's total_memory on an H200 (hyperdryrun.world.gpus cites where it is printed)
+    assert (s["capacity_bytes"], s["fit"]) == (150_109_880_320, "fits")
+    assert s["capacity_gib"] == 150_109_880_320 / GIB

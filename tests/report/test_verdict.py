@@ -16,6 +16,7 @@ import pytest
 from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION, Margin, verdict_word
 from hyperdryrun.report import build_report
 from hyperdryrun.report.console import headline
+from hyperdryrun.world.target import DeviceTarget
 from tests.report.test_device_memory import hand_trace
 
 MiB, GiB = 2**20, 2**30
@@ -43,7 +44,7 @@ def test_the_verdict_word_at_the_boundaries(peak, word):
 
 def test_a_job_inside_the_margin_is_at_risk():
     capacity = 865 * MiB  # 860 MiB is 5 MiB under it; 1% of 865 MiB is 8.65 MiB
-    s = build_report(hand_trace(), capacity / GiB)["summary"]
+    s = build_report(hand_trace(), DeviceTarget(device_memory_gib=capacity / GiB))["summary"]
     assert s["peak_device_bytes"] == DEVICE_PEAK
     assert s["fit"] == "at risk" and s["at_risk"] is True and s["oom"] is False
     assert s["margin_bytes"] == round(0.01 * 865 * MiB) == 9_070_182
@@ -54,17 +55,19 @@ def test_a_job_inside_the_margin_is_at_risk():
     )
     assert "the real step may not fit" in s["verdict"]
     assert any(line.startswith("[bold yellow]at risk[/] in 0.84 GiB on the device: 5.00 MiB headroom")
-               for line in headline(build_report(hand_trace(), capacity / GiB)))  # fmt: skip
+               for line in headline(build_report(hand_trace(), DeviceTarget(device_memory_gib=capacity / GiB))))  # fmt: skip
 
 
 def test_a_zero_margin_judges_the_figure_as_it_is():
-    s = build_report(hand_trace(), 865 * MiB / GiB, margin=Margin(gib=0))["summary"]
+    s = build_report(hand_trace(), DeviceTarget(device_memory_gib=865 * MiB / GiB, margin=Margin(gib=0)))[
+        "summary"
+    ]
     assert (s["fit"], s["margin_bytes"], s["margin_source"]) == ("fits", 0, "--margin-gib 0")
 
 
 def test_a_capacity_with_room_beyond_the_margin_fits():
     capacity = 900 * MiB  # margin 9 MiB: fits up to 891 MiB
-    s = build_report(hand_trace(), capacity / GiB)["summary"]
+    s = build_report(hand_trace(), DeviceTarget(device_memory_gib=capacity / GiB))["summary"]
     assert (s["fit"], s["oom"], s["at_risk"]) == ("fits", False, False)
     # 2% (18 MiB) fits; 40 MiB puts the line at 860 MiB, the peak itself, which still fits; 41 MiB is at risk
     for margin, word in (
@@ -72,26 +75,33 @@ def test_a_capacity_with_room_beyond_the_margin_fits():
         (Margin(gib=40 / 1024), "fits"),
         (Margin(gib=41 / 1024), "at risk"),
     ):
-        assert build_report(hand_trace(), capacity / GiB, margin=margin)["summary"]["fit"] == word
+        assert (
+            build_report(hand_trace(), DeviceTarget(device_memory_gib=capacity / GiB, margin=margin))[
+                "summary"
+            ]["fit"]
+            == word
+        )
 
 
 def test_under_the_device_peak_is_oom_and_says_when_it_is_within_the_error():
-    s = build_report(hand_trace(), 852 * MiB / GiB)["summary"]  # 8 MiB short; margin 8.52 MiB
+    s = build_report(hand_trace(), DeviceTarget(device_memory_gib=852 * MiB / GiB))[
+        "summary"
+    ]  # 8 MiB short; margin 8.52 MiB
     assert (s["fit"], s["oom"], s["at_risk"]) == ("OOM", True, False)
     assert s["headroom_bytes"] == -8 * MiB
     assert "within the model's error" in s["verdict"]
-    far = build_report(hand_trace(), 100 * MiB / GiB)["summary"]
+    far = build_report(hand_trace(), DeviceTarget(device_memory_gib=100 * MiB / GiB))["summary"]
     assert far["fit"] == "OOM" and "within the model's error" not in far["verdict"]
 
 
 def test_a_cpu_target_judges_allocated_bytes_with_the_same_margin():
     trace = hand_trace()
     trace.metadata = {}  # no CUDA target: allocated bytes only (peak 6 MiB)
-    s = build_report(trace, 6.05 / 1024)[
+    s = build_report(trace, DeviceTarget(device_memory_gib=6.05 / 1024))[
         "summary"
     ]  # 6.05 MiB capacity, margin 0.0605 MiB: 6 MiB is within it
     assert (s["fit"], s["peak_bytes"]) == ("at risk", 6 * MiB)
-    assert build_report(trace, 7 / 1024)["summary"]["fit"] == "fits"
+    assert build_report(trace, DeviceTarget(device_memory_gib=7 / 1024))["summary"]["fit"] == "fits"
 
 
 @pytest.mark.parametrize(

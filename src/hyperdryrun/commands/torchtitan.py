@@ -191,9 +191,7 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
             "error": f"{message} (report: {path})",
             "traceback": tb,
         }
-    report = build_report(
-        trace, target.device_memory_gib, _DEFAULTS["live_set_limit"].default, margin=target.margin
-    )
+    report = build_report(trace, target, _DEFAULTS["live_set_limit"].default)
     try:
         paths = write_reports(report, blocks_csv(trace), options["output_dir"], rank)
     except OSError as err:

@@ -54,14 +54,22 @@ def save_reports(
     trace: Any,
     output_dir: str | os.PathLike,
     *,
+    target: Any = None,
     device_memory_gib: float | None = None,
     live_set_limit: int = 50,
 ) -> list[Path]:
     """Write ``<output_dir>/rank_<r>/rank_<r>_memory.{json,csv}`` for a trace (atomically), and
-    ``rank_<r>_segments.csv`` for a CUDA target; returns the paths."""
+    ``rank_<r>_segments.csv`` for a CUDA target; returns the paths. The verdict is against ``target`` (a
+    :class:`~hyperdryrun.world.target.DeviceTarget`), or ``device_memory_gib``: a target of that capacity."""
     from hyperdryrun.report.reporters import RankReport, write_rank_reports
 
-    return write_rank_reports(RankReport.from_trace(trace, device_memory_gib, live_set_limit), output_dir)
+    if device_memory_gib is not None:
+        from hyperdryrun.world.target import DeviceTarget
+
+        if target is not None:
+            raise ValueError("save_reports: give target or device_memory_gib, not both")
+        target = DeviceTarget(device_memory_gib=device_memory_gib)
+    return write_rank_reports(RankReport.from_trace(trace, target, live_set_limit), output_dir)
 
 
 __all__ = [

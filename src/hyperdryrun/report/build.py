@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hyperdryrun.allocator import AllocatorOptions, DeviceMemory, OutsideCost, Workspace, device_memory
 from hyperdryrun.allocator.verdict import AT_RISK, OOM, Margin, verdict_fields
@@ -32,6 +32,9 @@ from hyperdryrun.trace.blocks import (
     live_bytes_by_task,
 )
 from hyperdryrun.trace.stacks import format_stack
+
+if TYPE_CHECKING:
+    from hyperdryrun.world.target import DeviceTarget
 
 
 def gib(nbytes: int) -> float:
@@ -74,13 +77,6 @@ def block_record(trace: Any, b: Block, with_stack: bool = True) -> dict[str, Any
     return rec
 
 
-def capacity_bytes(trace: Any, device_memory_gib: float | None = None) -> int | None:
-    """The device's capacity: ``device_memory_gib`` when given, else the named GPU's (CUDA targets), else None."""
-    if device_memory_gib is not None:
-        return int(round(device_memory_gib * GIB))
-    return ((trace.metadata or {}).get("cuda") or {}).get("capacity_bytes")
-
-
 RECORDED_RESERVED_KEYS = (
     "peak_reserved_bytes",
     "allocated_at_reserved_peak_bytes",
@@ -92,10 +88,11 @@ NCCL_LINE = "NCCL buffers"
 CONTEXT_LINE = "CUDA context"
 
 
-def device_memory_of(trace: Any, device_memory_gib: float | None = None) -> DeviceMemory | None:
+def device_memory_of(trace: Any, capacity: int | None = None) -> DeviceMemory | None:
     """The allocator stage for a dry run of a CUDA target (``metadata.cuda``): the step's blocks and cuBLAS
     workspaces through the caching allocator under the job's settings, NCCL buffers and the CUDA context beside
-    it, against the capacity. None for other traces."""
+    it, against ``capacity`` bytes (:attr:`DeviceTarget.capacity_bytes <hyperdryrun.world.target.DeviceTarget>`;
+    None: no capacity). None for other traces."""
     cuda = (trace.metadata or {}).get("cuda")
     if not cuda:
         return None
@@ -112,7 +109,6 @@ def device_memory_of(trace: Any, device_memory_gib: float | None = None) -> Devi
         OutsideCost(CONTEXT_LINE, cuda["cuda_context"]["bytes"], cuda["cuda_context"]["source"]),
     ]
     options = AllocatorOptions.parse(alloc["settings"], source=alloc["source"])
-    capacity = capacity_bytes(trace, device_memory_gib)
     return device_memory(trace.blocks, trace.peak, workspaces, outside, options, capacity)
 
 
@@ -204,15 +200,13 @@ def _device_verdict(
 
 
 def summarize(
-    trace: Any,
-    device_memory_gib: float | None = None,
-    device: DeviceMemory | None = None,
-    margin: Margin | None = None,
+    trace: Any, target: DeviceTarget | None = None, device: DeviceMemory | None = None
 ) -> dict[str, Any]:
     """Peak and what it consists of, bytes after the step, the device figures of a CUDA target (``device``: its
-    allocator stage) and the capacity verdict (on device bytes where the allocator stage ran; ``margin``: how far
-    under the capacity "fits" starts, :mod:`hyperdryrun.allocator.verdict`)."""
-    margin = margin or Margin()
+    allocator stage) and the verdict against ``target``'s capacity (on device bytes where the allocator stage ran;
+    its margin: how far under the capacity "fits" starts, :mod:`hyperdryrun.allocator.verdict`)."""
+    margin = target.margin if target is not None else Margin()
+    device_memory_gib = target.device_memory_gib if target is not None else None
     blocks = trace.blocks
     peak_task = trace.peak_task
     at_peak = alive_at(blocks, peak_task) if peak_task >= 0 else []
@@ -358,22 +352,22 @@ def peak_live_set(trace: Any, limit: int) -> dict[str, Any]:
 
 def build_report(
     trace: Any,
-    device_memory_gib: float | None = None,
+    target: DeviceTarget | None = None,
     live_set_limit: int = 50,
     device: DeviceMemory | None = None,
-    margin: Margin | None = None,
 ) -> dict[str, Any]:
-    """The JSON report of one rank (see :mod:`hyperdryrun.report.schema`); ``device``: the allocator stage's result
-    when already computed (:func:`device_memory_of`, also what :func:`segments_csv` writes); ``margin``: the
-    verdict's (:mod:`hyperdryrun.allocator.verdict`; default: the model's measured error)."""
+    """The JSON report of one rank (see :mod:`hyperdryrun.report.schema`), judged against ``target`` (its capacity
+    and the verdict's margin, :class:`~hyperdryrun.world.target.DeviceTarget`; None: no capacity, no verdict);
+    ``device``: the allocator stage's result when already computed (:func:`device_memory_of`, also what
+    :func:`segments_csv` writes)."""
     at_peak = alive_at(trace.blocks, trace.peak_task) if trace.peak_task >= 0 else []
     if device is None:
-        device = device_memory_of(trace, device_memory_gib)
+        device = device_memory_of(trace, None if target is None else target.capacity_bytes)
     return {
         "schema_version": SCHEMA_VERSION,
         "status": "ok",
         "metadata": trace.metadata,
-        "summary": summarize(trace, device_memory_gib, device, margin),
+        "summary": summarize(trace, target, device),
         "phases": phases(trace),
         "modules": modules(trace, at_peak),
         "peak_live_set": peak_live_set(trace, live_set_limit),

@@ -37,16 +37,15 @@ class RankReport:
         return self.report.get("status") == "ok"
 
     @classmethod
-    def from_trace(
-        cls, trace: Any, device_memory_gib: float | None = None, live_set_limit: int = 50, margin: Any = None
-    ) -> RankReport:
-        """The report and CSVs of a traced (or ingested) step: for a CUDA target the allocator model runs once
-        (reserved and device bytes in the report, its segments in the segment CSV); ``margin``: the verdict's
-        (:class:`hyperdryrun.allocator.verdict.Margin`)."""
+    def from_trace(cls, trace: Any, target: Any = None, live_set_limit: int = 50) -> RankReport:
+        """The report and CSVs of a traced (or ingested) step, judged against ``target`` (the
+        :class:`~hyperdryrun.world.target.DeviceTarget` the job was run for: capacity and margin; None: none): for
+        a CUDA target the allocator model runs once (reserved and device bytes in the report, its segments in the
+        segment CSV)."""
         from hyperdryrun.report.build import blocks_csv, build_report, device_memory_of, segments_csv
 
-        device = device_memory_of(trace, device_memory_gib)
-        report = build_report(trace, device_memory_gib, live_set_limit, device, margin)
+        device = device_memory_of(trace, None if target is None else target.capacity_bytes)
+        report = build_report(trace, target, live_set_limit, device)
         segments = segments_csv(trace, device) if device is not None else None
         return cls(trace.metadata.get("rank", 0), report, blocks_csv(trace), trace, segments)
 

@@ -842,7 +842,7 @@ def full_figures(cfg: JobConfig, detail: str = "") -> StepFigures:
     from hyperdryrun.report.build import build_report
 
     trace = run_job(cfg, capture_stacks=False)
-    return figures_from_report(build_report(trace, cfg.device_memory_gib), FULL, detail)
+    return figures_from_report(build_report(trace, cfg.target), FULL, detail)
 
 
 SampleSource = Callable[["JobConfig"], SampleTable]

@@ -92,7 +92,7 @@ def allocator_series(report: dict[str, Any], trace: Any | None) -> dict[str, lis
     if not (trace.metadata or {}).get("cuda"):
         trace.metadata = {**(trace.metadata or {}), **report["metadata"]}
     capacity = (report.get("summary") or {}).get("capacity_bytes")
-    device = device_memory_of(trace, capacity / 2**30 if capacity else None)
+    device = device_memory_of(trace, capacity or None)
     if device is None:
         return {}
     reserved = [0] * trace.num_tasks
