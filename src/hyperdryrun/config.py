@@ -584,7 +584,7 @@ class JobConfig(_Strict):
         update: dict[str, Any] = {}
         for name, value in changes.items():
             section = getattr(self, name)
-            if isinstance(section, BaseModel):  # the fields it was given, and the changes, validated under its name
+            if isinstance(section, BaseModel):  # its given fields and the changes, validated under its name
                 value = {**{k: getattr(section, k) for k in section.model_fields_set}, **value}
             update[name] = value
         try:
