@@ -129,7 +129,9 @@ def test_fit_takes_the_same_flags_and_its_title_says_the_routing(tmp_path, capsy
     assert "MoE routing: skew 4: in every routed layer expert 0 gets 4x the balanced load" in out
     out_balanced, balanced = fit_peak(tmp_path, capsys)
     assert "MoE routing: balanced" in out_balanced
-    assert skewed["peak_allocated_bytes"] > balanced["peak_allocated_bytes"]  # EP rank 0 receives more at skew 4
+    assert (
+        skewed["peak_allocated_bytes"] > balanced["peak_allocated_bytes"]
+    )  # EP rank 0 receives more at skew 4
     # the verdicts are the runs' under that routing: run's peak of the same layout and routing
     for flags, candidate in (([], balanced), (["--skew", "4"], skewed)):
         run_out = tmp_path / f"run{len(flags)}"
@@ -137,3 +139,34 @@ def test_fit_takes_the_same_flags_and_its_title_says_the_routing(tmp_path, capsy
         argv += ["h100-80gb", "--no-stacks", "--quiet", "--output-dir", str(run_out), *flags]
         assert cli(argv, capsys)[0] == 0
         assert candidate["peak_allocated_bytes"] == report(run_out)["summary"]["peak_bytes"], flags
+
+
+def test_the_skew_table_is_each_skews_full_run(tmp_path, capsys):
+    """--skew-table's rows against a run of the rank at each skew on its own (the same peak to the byte), and the
+    run it comes with is the routing given."""
+    base = ["run", *RUN[:-4], "--seq-len", "512", "--gpu", "h100-80gb", "--no-stacks", "--quiet"]
+    rc, out, err = cli([*base, "--skew-table", "--output-dir", str(tmp_path / "table")], capsys)
+    assert rc == 0, err
+    assert "peak by skew" in out
+    table = json.loads((tmp_path / "table" / "skew_table.json").read_text())
+    assert [r["skew"] for r in table["rows"]] == [1.0, 1.5, 2.0, 4.0] and table["hot_expert"] == 0
+    assert report(tmp_path / "table")["metadata"]["moe"]["routing_line"].startswith("balanced")
+    peaks = []
+    for row in table["rows"]:
+        alone = tmp_path / f"skew_{row['skew']:g}"
+        assert cli([*base, "--skew", str(row["skew"]), "--output-dir", str(alone)], capsys)[0] == 0
+        s = report(alone)["summary"]
+        assert (row["peak_allocated_bytes"], row["peak_reserved_bytes"]) == (
+            s["peak_allocated_bytes"], s["peak_reserved_bytes"],
+        ), row  # fmt: skip
+        peaks.append(s["peak_allocated_bytes"])
+    assert (
+        peaks == sorted(peaks) and peaks[-1] > peaks[0]
+    )  # EP rank 0 holds expert 0: its peak grows with skew
+
+
+def test_the_skew_table_needs_one_rank_of_a_moe_job(capsys):
+    rc, _, err = cli(["run", "--model", "llama-tiny", "--skew-table"], capsys)
+    assert rc == 2 and "--skew-table: 'llama-tiny' is a dense model" in err
+    rc, _, err = cli(["run", *RUN, "--ranks", "0,1", "--skew-table"], capsys)
+    assert rc == 2 and "--skew-table runs the one rank again at each skew" in err

@@ -182,3 +182,35 @@ def test_a_field_alone_chooses_its_routing_and_a_field_of_another_is_ignored():
     assert RoutingSpec(capacity_factor=2.0).routing == "bound"
     assert set(RoutingSpec(routing="bound", skew=2.0).ignored()) == {"skew"}
     assert RoutingSpec(routing="bound", hot_expert=2).ignored() == {}
+
+
+# ------------------------------------------------------------------------------------------------ forced routing
+@pytest.mark.parametrize(
+    ("counts", "tokens", "top_k"), [([3, 1, 0, 2], 3, 2), ([4, 4, 4], 4, 3), ([2, 1, 1], 4, 1)]
+)
+def test_forced_ids_give_each_expert_its_count_and_each_token_distinct_experts(counts, tokens, top_k):
+    from hyperdryrun.compat.torchtitan_moe import forced_ids
+
+    ids = forced_ids(counts, tokens, top_k)
+    assert len(ids) == tokens and all(len(set(row)) == top_k for row in ids)
+    assert [sum(row.count(e) for row in ids) for e in range(len(counts))] == counts
+
+
+def test_forced_routing_is_undone_on_exit_also_after_an_error():
+    from hyperdryrun.compat.torchtitan_moe import forced_routing
+
+    class Router:
+        top_k = 1
+        _debug_force_load_balance = False
+
+        def _debug_force_load_balance_routing(self, scores):
+            return "own"
+
+    router = Router()
+    with pytest.raises(RuntimeError), forced_routing({"layers.1.moe.routed_experts": router}, None):
+        assert router._debug_force_load_balance is True
+        assert "_debug_force_load_balance_routing" in vars(router)  # this router's own override
+        raise RuntimeError
+    assert (
+        router._debug_force_load_balance is False and router._debug_force_load_balance_routing(None) == "own"
+    )
