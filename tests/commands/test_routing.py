@@ -170,3 +170,28 @@ def test_the_skew_table_needs_one_rank_of_a_moe_job(capsys):
     assert rc == 2 and "--skew-table: 'llama-tiny' is a dense model" in err
     rc, _, err = cli(["run", *RUN, "--ranks", "0,1", "--skew-table"], capsys)
     assert rc == 2 and "--skew-table runs the one rank again at each skew" in err
+
+
+def test_fits_result_cache_keys_a_routing_file_by_its_loads_not_its_name(tmp_path):
+    from hyperdryrun.config import build_config
+    from hyperdryrun.search.cache import job_key
+
+    path = tmp_path / "loads.json"
+    path.write_text(json.dumps([1, 1, 1, 1, 1, 1, 1, 1]))
+    cfg = build_config({"model": {"name": "moe-debug"}, "values": {"routing_from": str(path)}})
+    before = job_key(cfg, "run")
+    assert job_key(cfg, "run") == before
+    path.write_text(json.dumps([8, 1, 1, 1, 1, 1, 1, 1]))
+    assert job_key(cfg, "run") != before
+
+
+def test_fits_shortcut_does_not_extrapolate_layers_a_routing_file_sets_apart(tmp_path):
+    from hyperdryrun.config import build_config
+    from hyperdryrun.search.extrapolate import plan_for
+
+    path = tmp_path / "loads.json"
+    path.write_text(json.dumps({"layers.1.moe.tokens_per_expert_E": [8, 1, 1, 1, 1, 1, 1, 1]}))
+    cfg = build_config(
+        {"model": {"name": "moe-debug", "n_layers": 12}, "values": {"routing_from": str(path)}}
+    )
+    assert plan_for(cfg) == (None, "--routing-from gives each layer its own routing (layers differ)")
