@@ -195,3 +195,57 @@ def test_fits_shortcut_does_not_extrapolate_layers_a_routing_file_sets_apart(tmp
         {"model": {"name": "moe-debug", "n_layers": 12}, "values": {"routing_from": str(path)}}
     )
     assert plan_for(cfg) == (None, "--routing-from gives each layer its own routing (layers differ)")
+
+
+def test_hf_moe_takes_a_routing_file_per_layer(tmp_path, capsys):
+    """A Hugging Face MoE model (eager experts, whose matmuls have each expert's rows) given a file of per-layer
+    loads: layer 0's router counts by HF's module name, layer 1 by number."""
+    from hyperdryrun.config import build_config
+    from hyperdryrun.recipe import run_job
+
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps({"model.layers.0.mlp.gate": [3, 1, 1, 1, 1, 1, 1, 1], "1": [1] * 8}))
+    tiny = ["--n-layers", "2", "--dim", "64", "--n-heads", "4", "--n-kv-heads", "2", "--ffn-dim", "96"]
+    argv = [
+        "run",
+        "--model",
+        "hf:mixtral-8x7b",
+        *tiny,
+        "--vocab-size",
+        "256",
+        "--experts-implementation",
+        "eager",
+    ]
+    argv += [
+        "--seq-len",
+        "64",
+        "--target-device",
+        "cpu",
+        "--routing-from",
+        str(path),
+        "--quiet",
+        "--no-stacks",
+    ]
+    rc, _, err = cli([*argv, "--output-dir", str(tmp_path / "out")], capsys)
+    assert rc == 0, err
+    # 128 rows; layer 0: 128 x 3/10 = 38.4, 128 x 1/10 = 12.8 (x7): floors 38 + 7 x 12 = 122, the 6 left by largest
+    # remainder to experts 1-6 (.8 each, above expert 0's .4); layer 1: balanced
+    layer0, layer1 = [38, 13, 13, 13, 13, 13, 13, 12], [16] * 8
+    moe = report(tmp_path / "out")["metadata"]["moe"]
+    assert moe["tokens_per_expert_by_layer"] == {"0": layer0, "1": layer1}
+    cfg = {"name": "hf:mixtral-8x7b", "n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96}
+    trace = run_job(
+        build_config(
+            {"model": {**cfg, "vocab_size": 256, "experts_implementation": "eager"}, "training": {"seq_len": 64},
+             "target_device": "cpu", "values": {"routing_from": str(path)}}
+        ),
+        capture_stacks=False,
+    )  # fmt: skip
+    for layer, counts in ((0, layer0), (1, layer1)):
+        # per expert, bf16 compute: gate_up tokens x 2*96 x 2 B, down tokens x 64 x 2 B (tests/models/test_hf.py)
+        sizes = sorted(
+            b.size
+            for b in trace.blocks
+            if b.module == f"model.layers.{layer}.mlp.experts" and b.op == "mm" and str(b.phase) == "forward"
+        )
+        assert sizes == sorted([c * 192 * 2 for c in counts] + [c * 64 * 2 for c in counts]), layer
