@@ -300,10 +300,6 @@ class ValuesConfig(RoutingSpec):
         """The rules a run uses: the explicit ones first, then the routing's for every MoE layer."""
         return ValueRules([*self.rules, *self.routing_rules()])
 
-    def routing_spec(self) -> RoutingSpec:
-        """The routing alone (what ``--skew-table`` and the other front doors take)."""
-        return RoutingSpec.model_validate(self.model_dump(exclude={"rules"}, exclude_unset=True))
-
 
 class RankConfig(_Strict):
     world_size: int = Field(1, ge=1, le=MAX_RANKS)
