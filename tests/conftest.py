@@ -44,6 +44,7 @@ def tiny_trace():
 SLOW = (
     "tests/accuracy/",
     "tests/commands/test_exit_codes.py",
+    "tests/commands/test_routing.py",
     "tests/integrations/test_torchtitan",
     "tests/measure/",
     "tests/models/test_hf.py",

@@ -254,8 +254,8 @@ def test_rank_from_torchrun_environment():
         ),
         (
             {"model": {"name": "moe-tiny"}, "values": {"hot_expert": 1}},
-            "values.hot_expert=1 has no effect with values.routing='balanced' (it is for values.routing: hotspot / "
-            "--routing hotspot)",
+            "values.hot_expert=1 has no effect with values.routing='balanced' (it is for values.routing: hotspot or "
+            "bound / --routing hotspot)",
         ),
         (
             {

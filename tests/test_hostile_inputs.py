@@ -943,7 +943,8 @@ def test_30_8_closed_or_full_standard_streams(args, redirect, code, good_run, tm
             "training.ac_selective='op' has no effect with training.ac='full'",
         ),
         (["--model", "moe-tiny", "--hot-expert", "0"], "values.hot_expert=0 has no effect"),
-        (["--model", "moe-tiny", "--skew", "2.0"], "values.skew=2.0 has no effect"),
+        # --skew alone chooses hotspot routing; with another routing given it is ignored, so refused
+        (["--model", "moe-tiny", "--routing", "balanced", "--skew", "2.0"], "values.skew=2.0 has no effect"),
         (["--model", "moe-tiny", "--routing", "hotspot", "--routing-counts", "1,2"], "values.counts=[1, 2]"),
         (["--routing", "balanced"], "values.routing='balanced' has no effect: 'llama-tiny' is a dense model"),
     ],

@@ -49,8 +49,10 @@ from hyperdryrun.ingest.files import (
 from hyperdryrun.models import hf
 from hyperdryrun.models.registry import ModelFamily, family_of, preset_names
 from hyperdryrun.parallel_dims import ParallelDims, PipelineSchedule, stages_per_rank
+from hyperdryrun.world.routing import USES as ROUTING_USES
+from hyperdryrun.world.routing import RoutingSpec
 from hyperdryrun.world.runtime import CudaRuntime
-from hyperdryrun.world.value_rules import ROUTING_OP, ValueRule, ValueRules
+from hyperdryrun.world.value_rules import ValueRule, ValueRules
 
 Dtype = Literal["bf16", "fp32"]
 
@@ -287,36 +289,16 @@ DEFAULT_LOSS_CHUNKS = 8
 """torchtitan 0.3.0's ``ChunkedLossWrapper.Config.num_chunks``."""
 
 
-class ValuesConfig(_Strict):
-    """Data-dependent values (hyperdryrun.world.values): the MoE routing scenario and extra value rules."""
+class ValuesConfig(RoutingSpec):
+    """Data-dependent values (hyperdryrun.world.values): the MoE routing (:class:`RoutingSpec`, the one option of
+    every front door) and extra value rules."""
 
-    routing: Literal["balanced", "hotspot", "explicit"] = "balanced"
-    """Tokens per expert on each rank: even, one hot expert, or ``counts`` as given."""
-    hot_expert: int = Field(0, ge=0, le=MAX_HEADS)
-    skew: float = Field(2.0, ge=1, le=MAX_TOKENS)
-    """hotspot: the hot expert's load as a multiple of the balanced load."""
-    counts: list[int] | None = None
-    """explicit: tokens per expert of one rank's micro batch (sum = micro_batch_size * seq_len * top_k)."""
     rules: list[ValueRule] = []
-    """Rules tried first (module/op patterns); the routing scenario applies to every MoE layer they leave."""
-
-    @model_validator(mode="after")
-    def _scenario_fields(self) -> ValuesConfig:
-        if self.routing == "explicit" and not self.counts:
-            raise ValueError("values.routing='explicit' needs values.counts (tokens per expert)")
-        if self.counts is not None and any(c < 0 for c in self.counts):
-            raise ValueError(f"values.counts={self.counts} must all be >= 0")
-        return self
-
-    def routing_rule(self) -> ValueRule:
-        return ValueRule(
-            module="*", op=ROUTING_OP, handler=self.routing, hot_expert=self.hot_expert, skew=self.skew,
-            counts=self.counts,
-        )  # fmt: skip
+    """Rules tried first (module/op patterns); the routing applies to every MoE layer they leave."""
 
     def value_rules(self) -> ValueRules:
-        """The rules a run uses: the explicit ones first, then the routing scenario for every MoE layer."""
-        return ValueRules([*self.rules, self.routing_rule()])
+        """The rules a run uses: the explicit ones first, then the routing's for every MoE layer."""
+        return ValueRules([*self.rules, *self.routing_rules()])
 
 
 class RankConfig(_Strict):
@@ -472,14 +454,14 @@ class JobConfig(_Strict):
                 f"has no effect with training.ac={t.ac!r} (give training.ac: selective / --ac selective, or drop it)"
             )
         if not self.model.is_moe:
-            for f in ("routing", "hot_expert", "skew", "counts"):
+            for f in (*ROUTING_USES, "routing"):
                 out["values", f] = f"has no effect: {self.model.name!r} is a dense model (no experts)"
             return out
-        for name, routing in (("hot_expert", "hotspot"), ("skew", "hotspot"), ("counts", "explicit")):
-            if v.routing != routing:
+        for name, routings in ROUTING_USES.items():
+            if v.routing not in routings:
                 out["values", name] = (
-                    f"has no effect with values.routing={v.routing!r} (it is for values.routing: {routing} / "
-                    f"--routing {routing})"
+                    f"has no effect with values.routing={v.routing!r} (it is for values.routing: "
+                    f"{' or '.join(routings)} / --routing {routings[0]})"
                 )
         return out
 
@@ -549,6 +531,22 @@ class JobConfig(_Strict):
                     f"values.counts={c} must have model.num_experts={m.num_experts} entries summing to "
                     f"micro_batch_size*seq_len*top_k = {tokens * m.top_k}, each <= {tokens} tokens"
                 )
+        if v.routing == "profile" and v.routing_from:
+            from hyperdryrun.world.routing import load_routing_file
+
+            for key, load in load_routing_file(v.routing_from).items():
+                if len(load) != m.num_experts:
+                    where = f"layer {key}" if isinstance(key, int) else repr(key)
+                    raise ValueError(
+                        f"values.routing_from={v.routing_from!r}: {where} has {len(load)} loads, but "
+                        f"model.num_experts={m.num_experts} (one per expert)"
+                    )
+                dense = getattr(m, "n_dense_layers", None)
+                if isinstance(key, int) and dense is not None and not dense <= key < m.n_layers:
+                    raise ValueError(
+                        f"values.routing_from={v.routing_from!r}: layer {key} has no routed experts (the MoE "
+                        f"layers are {dense}..{m.n_layers - 1})"
+                    )
 
     @property
     def dims(self) -> ParallelDims:

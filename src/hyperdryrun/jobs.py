@@ -17,7 +17,7 @@ the commands only parse flags into a :class:`Job`, a job config and a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from hyperdryrun.config import JobConfig
@@ -70,6 +70,17 @@ class Job(Protocol):
 
     def step(self, world_size: int, layout: dict[str, Any]) -> StepFacts: ...
 
+    def routing_line(self) -> str | None: ...
+
+    def with_routing(self, routing: Any, cfg: Any) -> tuple[Any, Any]: ...
+
+
+def _routing_line(spec: Any, where: str = "") -> str:
+    """The title line of the routing a job's verdicts assume (:class:`~hyperdryrun.world.routing.RoutingSpec`)."""
+    from hyperdryrun.world.routing import RoutingSpec
+
+    return f"MoE routing{where}: {(spec or RoutingSpec()).describe()}"
+
 
 @dataclass
 class RecipeJob:
@@ -101,6 +112,21 @@ class RecipeJob:
     def layouts(self, world_size: int) -> list[dict[str, Any]]:
         return [self.cfg.dims.degrees()]
 
+    def routing_line(self) -> str | None:
+        return _routing_line(self.cfg.values) if self.cfg.model.is_moe else None
+
+    def with_routing(self, routing: Any, cfg: Any) -> tuple[RecipeJob, Any]:
+        """This job, and the runner's ``cfg`` (this job's config, maybe another output), under ``routing`` (a
+        :class:`~hyperdryrun.world.routing.RoutingSpec`); the value rules of ``values.rules`` kept."""
+        from hyperdryrun.config import build_config
+
+        values = {
+            **routing.model_dump(exclude_unset=True),
+            "rules": [r.model_dump() for r in cfg.values.rules],
+        }
+        new = build_config({**cfg.model_dump(), "values": values})
+        return RecipeJob(new), new
+
     def step(self, world_size: int, layout: dict[str, Any]) -> StepFacts:
         from hyperdryrun.search.roofline import flops_per_token
 
@@ -121,6 +147,8 @@ class ScriptJob:
     spec: str
     argv: tuple[str, ...] = ()
     probed: dict[str, Any] = field(default_factory=dict)
+    routing: Any = None
+    """The routing option (:class:`~hyperdryrun.world.routing.RoutingSpec`; None: balanced)."""
 
     @property
     def title(self) -> str:
@@ -132,7 +160,7 @@ class ScriptJob:
     def execute(self, layout: dict[str, Any]) -> Any:
         from hyperdryrun.integrations.script import ScriptExecute
 
-        return ScriptExecute(self.spec, dict(layout), self.argv)
+        return ScriptExecute(self.spec, dict(layout), self.argv, self.routing)
 
     def _index(self, layout: dict[str, Any]) -> int:
         return self.probed.get("layouts", [{}]).index(layout)
@@ -152,6 +180,12 @@ class ScriptJob:
     def step(self, world_size: int, layout: dict[str, Any]) -> StepFacts:
         return StepFacts()
 
+    def routing_line(self) -> str | None:
+        return _routing_line(self.routing, " (of the layers that ask for it)")
+
+    def with_routing(self, routing: Any, cfg: Any) -> tuple[ScriptJob, Any]:
+        return replace(self, routing=routing), cfg
+
 
 @dataclass
 class TorchtitanFrontJob:
@@ -165,6 +199,8 @@ class TorchtitanFrontJob:
     measure: bool = False
     space: Any = None
     """The :class:`~hyperdryrun.search.space.SearchSpace` of ``--fit`` (tp, pp, cp, ep degrees)."""
+    routing: Any = None
+    """The routing option (:class:`~hyperdryrun.world.routing.RoutingSpec`; None: balanced, a measured run's own)."""
     _steps: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @property
@@ -180,7 +216,9 @@ class TorchtitanFrontJob:
         return with_layout(self.argv, layout)
 
     def execute(self, layout: dict[str, Any]) -> Any:
-        return TorchtitanExecute(tuple(self.argv_of(layout)), self.n_layers, self.attention, self.measure)
+        return TorchtitanExecute(
+            tuple(self.argv_of(layout)), self.n_layers, self.attention, self.measure, self.routing
+        )
 
     def rank_classes(self, world_size: int, layout: dict[str, Any]) -> list[dict[str, Any]]:
         """Raises :class:`~hyperdryrun.integrations.torchtitan.TorchtitanError` for a layout torchtitan rejects."""
@@ -209,6 +247,19 @@ class TorchtitanFrontJob:
                 chosen.append(degrees)
         return chosen
 
+    def routing_line(self) -> str | None:
+        from hyperdryrun.integrations.torchtitan import load_config
+
+        layers = load_config(list(self.argv)).model_spec.model.layers
+        if not any(getattr(layer, "moe", None) is not None for layer in layers):
+            return None
+        if self.measure and self.routing is None:
+            return "MoE routing: as each router decides (measured)"
+        return _routing_line(self.routing, " (forced on the routers)" if self.measure else "")
+
+    def with_routing(self, routing: Any, cfg: Any) -> tuple[TorchtitanFrontJob, Any]:
+        return replace(self, routing=routing), cfg
+
     def step(self, world_size: int, layout: dict[str, Any]) -> StepFacts:
         got = self._steps.get(repr(sorted(layout.items())))
         if not got:
@@ -229,6 +280,7 @@ class TorchtitanExecute:
     n_layers: int | None = None
     attention: str | None = None
     measure: bool = False
+    routing: Any = None
 
     def __call__(self, cfg: Any, capture_stacks: bool = True) -> Any:
         from hyperdryrun.engine import SimulationError
@@ -242,6 +294,7 @@ class TorchtitanExecute:
             n_layers=self.n_layers,
             attention=self.attention,
             cuda=cfg.cuda,
+            routing_spec=self.routing,
         )
         try:
             if self.measure:

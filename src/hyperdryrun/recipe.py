@@ -302,12 +302,19 @@ def moe_metadata(cfg: JobConfig) -> dict | None:
         return None
     args, p, v = cfg.model.args(), cfg.parallel, cfg.values
     tokens = cfg.training.micro_batch_size * cfg.training.seq_len
-    counts = v.value_rules().token_counts("*", tokens, args.num_experts, args.top_k)
+    rules = v.value_rules()
+    first = getattr(args, "n_dense_layers", None) or 0
+    by_layer = {
+        i: rules.token_counts(f"layers.{i}.moe.experts", tokens, args.num_experts, args.top_k)
+        for i in range(first, args.n_layers)
+    }
+    counts = by_layer[first] if by_layer else rules.token_counts("*", tokens, args.num_experts, args.top_k)
     local = args.num_experts // p.ep
     ep_rank = cfg.dims.coordinates(cfg.world.rank).ep
-    mine = sum(counts[ep_rank * local : (ep_rank + 1) * local])
-    return {
+    mine = max(sum(c[ep_rank * local : (ep_rank + 1) * local]) for c in [counts, *by_layer.values()])
+    out = {
         "routing": v.routing_rule().describe(),
+        "routing_line": v.describe(),
         "value_rules": [r.describe() for r in v.rules],
         "num_experts": args.num_experts,
         "top_k": args.top_k,
@@ -318,6 +325,9 @@ def moe_metadata(cfg: JobConfig) -> dict | None:
         "local_experts": [ep_rank * local, (ep_rank + 1) * local],
         "tokens_received_per_moe_layer": mine * p.ep if p.ep > 1 else tokens * args.top_k,
     }
+    if any(c != counts for c in by_layer.values()):
+        out["tokens_per_expert_by_layer"] = {str(i): c for i, c in by_layer.items()}
+    return out
 
 
 def pipeline(cfg: JobConfig) -> DecoderPipeline:

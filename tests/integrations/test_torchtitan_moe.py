@@ -227,7 +227,7 @@ def test_the_command_dry_runs_with_the_routing_of_a_measured_report(measured_and
     report = json.loads((tmp_path / "dry" / "rank_0" / "rank_0_memory.json").read_text())
     assert report["summary"]["peak_bytes"] == dry.peak
     given = [x for x in report["limitations"] if x.startswith("MoE routing:")]
-    assert len(given) == 1 and "the given per-expert counts for layers.1.moe.routed_experts" in given[0]
+    assert len(given) == 1 and f"from {report_path}: layer 1 as the file's loads" in given[0]
     assert routing == {
         "layers.1.moe.routed_experts": measured.metadata["torchtitan"]["routing"][
             "layers.1.moe.routed_experts"

@@ -139,6 +139,9 @@ def fit_layouts(
     if not args.quiet:
         heading = title or f"{job.title}: {len(layouts)} layouts of {world_size} ranks"
         console.print(f"[bold]{heading}[/] · {world_size} x {target.label()}", soft_wrap=True)
+        routing = job.routing_line()
+        if routing:
+            console.print(routing, soft_wrap=True)
         console.print(layout_table(rows))
         if all(r.step_s is None for r in rows):
             console.print("est. step: — (the job gives no FLOPs); layouts in the job's order", soft_wrap=True)
@@ -151,4 +154,66 @@ def fit_layouts(
     return EXIT_OK if chosen is not None else EXIT_VERDICT
 
 
-__all__ = ["add_runner_flags", "fit_layouts", "run_many", "run_outcomes"]
+def skew_table(job: Job, cfg: Any, rank: int, args: Any, hot_expert: int = 0) -> int:
+    """``--skew-table``: ``rank`` of ``job`` dry-run again at every skew of
+    :data:`~hyperdryrun.world.routing.SKEW_TABLE` (``--routing hotspot --skew S`` at ``hot_expert``: one full step
+    each, so every row is that step's own peak, into ``<output-dir>/skew_<S>/``), a table of how the peak grows and
+    ``<output-dir>/skew_table.json``; the exit code of a failed run (0 otherwise)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from hyperdryrun.world.routing import SKEW_TABLE, skew_spec
+
+    root = Path(cfg.output_dir)
+    rows: list[dict[str, Any]] = []
+    failed = []
+    for skew in SKEW_TABLE:
+        spec = skew_spec(skew, hot_expert)
+        at_job, at_cfg = job.with_routing(
+            spec, cfg.model_copy(update={"output_dir": str(root / f"skew_{skew:g}")})
+        )
+        [out] = run_outcomes(at_job, at_cfg, [rank], {}, args)
+        if out.error:
+            failed.append(out)
+            rows.append({"skew": skew, "error": one_line(out.error)})
+            continue
+        s = out.report["summary"]
+        rows.append(
+            {
+                "skew": skew,
+                "routing": spec.describe(),
+                "peak_allocated_bytes": s.get("peak_allocated_bytes", s["peak_bytes"]),
+                "peak_reserved_bytes": s.get("peak_reserved_bytes"),
+                "peak_device_bytes": s.get("peak_device_bytes"),
+                "verdict": s.get("verdict"),
+            }
+        )
+    base = next((r["peak_allocated_bytes"] for r in rows if r["skew"] == 1.0 and "error" not in r), None)
+    table = Table(
+        title=f"rank {rank}: peak by skew (expert {hot_expert} of every routed layer gets S x balanced)"
+    )
+    for name in ("skew", "allocated GiB", "reserved GiB", "vs skew 1", "verdict"):
+        table.add_column(name, justify="left" if name == "verdict" else "right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(f"{r['skew']:g}", "error", "", "", r["error"])
+            continue
+        grow = "" if base is None else f"{r['peak_allocated_bytes'] - base:+,} B"
+        reserved = r["peak_reserved_bytes"]
+        table.add_row(
+            f"{r['skew']:g}", f"{r['peak_allocated_bytes'] / 2**30:.3f}",
+            "" if reserved is None else f"{reserved / 2**30:.3f}", grow, r.get("verdict") or "",
+        )  # fmt: skip
+    Console().print(table)
+    path = root / "skew_table.json"
+    try:
+        path.write_text(json.dumps({"rank": rank, "hot_expert": hot_expert, "rows": rows}, indent=1) + "\n")
+    except OSError as err:
+        raise ConfigError(f"--output-dir {str(root)!r}: {err}") from None
+    Console().print(f"skew table: {path}", soft_wrap=True)
+    return exit_code_of(failed, args.debug) if failed else EXIT_OK
+
+
+__all__ = ["add_runner_flags", "fit_layouts", "run_many", "run_outcomes", "skew_table"]

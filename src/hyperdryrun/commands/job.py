@@ -94,13 +94,35 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--moe-ffn-dim": ("model.moe_ffn_dim", int, "MoE: hidden size of each expert"),
     "--num-shared-experts": ("model.num_shared_experts", int, "MoE: always-on shared experts"),
     "--n-dense-layers": ("model.n_dense_layers", int, "MoE: leading layers with a dense FFN"),
-    "--routing": ("values.routing", str, "MoE tokens per expert: balanced|hotspot|explicit"),
-    "--hot-expert": ("values.hot_expert", int, "hotspot routing: the hot expert's index"),
-    "--skew": ("values.skew", float, "hotspot routing: hot expert load as a multiple of the balanced load"),
+    "--routing": (
+        "values.routing",
+        str,
+        "MoE tokens per expert of every routed layer: balanced|hotspot|explicit|profile|bound (docs/MOE.md; "
+        "--skew, --routing-counts, --routing-from, --capacity-factor alone choose theirs)",
+    ),
+    "--hot-expert": ("values.hot_expert", int, "hotspot/bound routing: the busiest expert's index"),
+    "--skew": (
+        "values.skew",
+        float,
+        "hotspot routing: the busiest expert of each routed layer gets S x the balanced load (tokens x top_k / "
+        "experts, at most every token), the others share the rest evenly",
+    ),
     "--routing-counts": (
         "values.counts",
         _int_list,
         "explicit routing: tokens per expert of one micro batch, comma-separated",
+    ),
+    "--routing-from": (
+        "values.routing_from",
+        str,
+        "profile routing: per-expert loads by layer from a JSON file (a --measure report, torchtitan's "
+        "tokens_per_expert by module, one list per layer; docs/MOE.md), scaled to the step's tokens x top_k",
+    ),
+    "--capacity-factor": (
+        "values.capacity_factor",
+        float,
+        "bound routing: the router's capacity factor C (each expert at most C x the balanced load); without it "
+        "the bound is dropless (every token to the same top_k experts)",
     ),
     "--reshard-after-forward": ("parallel.reshard_after_forward", _BOOL, "FSDP2 reshard after forward"),
     "--sequence-parallel": ("parallel.sequence_parallel", _BOOL, "sequence parallel with tp > 1"),
@@ -202,6 +224,43 @@ TARGET_FLAGS = (
     "--margin-pct",
 )
 """The device target's flags (:class:`hyperdryrun.world.target.DeviceTarget`), the same on every front door."""
+ROUTING_FLAGS = (
+    "--routing",
+    "--hot-expert",
+    "--skew",
+    "--routing-counts",
+    "--routing-from",
+    "--capacity-factor",
+)
+"""The MoE routing flags (:class:`hyperdryrun.world.routing.RoutingSpec`), the same on every front door."""
+
+
+def add_skew_table_flag(parser: Any) -> None:
+    """``--skew-table``, the same on every front door that runs one rank."""
+    parser.add_argument(
+        "--skew-table",
+        action="store_true",
+        help="MoE: also dry-run the rank at skew 1, 1.5, 2 and 4 (--routing hotspot at --hot-expert; one full "
+        "step each) and print how the peak grows (written to <output-dir>/skew_table.json)",
+    )
+
+
+def routing_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~hyperdryrun.world.routing.RoutingSpec` of the routing flags (one-line ConfigError naming the
+    flag otherwise): the front doors whose job is not a :class:`JobConfig` of the built-in recipe."""
+    from pydantic import ValidationError
+
+    from hyperdryrun.config import _format_error
+    from hyperdryrun.world.routing import RoutingSpec
+
+    values = flag_data(args, ROUTING_FLAGS).get("values", {})
+    try:
+        spec = RoutingSpec.model_validate(values)
+    except ValidationError as err:
+        raise naming_flag(ConfigError("values." + _format_error(err).removeprefix("values."))) from None
+    for name, why in spec.ignored().items():
+        raise naming_flag(ConfigError(f"values.{name}: {getattr(spec, name)!r} {why}"))
+    return spec
 
 
 def add_flags(parser: Any, flags: tuple[str, ...]) -> None:

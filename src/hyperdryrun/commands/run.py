@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail
-from hyperdryrun.commands.job import add_job_arguments, job_from_args, print_warnings
+from hyperdryrun.commands.job import add_job_arguments, add_skew_table_flag, job_from_args, print_warnings
 from hyperdryrun.commands.preflight import check_output_file, check_rank_outputs
 from hyperdryrun.config import ConfigError
 
@@ -33,6 +33,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--no-stacks", action="store_true", help="do not capture Python stacks (faster)")
     p.add_argument("--quiet", action="store_true", help="print only the peak line")
+    add_skew_table_flag(p)
     p.set_defaults(func=run)
 
 
@@ -79,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
             ranks = [c.representative for c in classes]
             check_output_file(Path(cfg.output_dir) / "rank_classes.json", "--output-dir", make_parent=True)
         check_rank_outputs(cfg.output_dir, [cfg.world.rank] if ranks is None else ranks)
+        if args.skew_table:
+            check_skew_table(ranks is not None, cfg.model.is_moe, cfg.model.name)
     except ConfigError as err:
         return fail(str(err), err, args.debug)
     print_warnings(warnings)
@@ -88,7 +91,25 @@ def run(args: argparse.Namespace) -> int:
 
         job = RecipeJob(cfg)
         return run_many(job, cfg, ranks, args, None if classes is None else job.class_dicts(classes))
-    return finish_rank(run_rank(cfg, capture_stacks=not args.no_stacks), args)
+    code = finish_rank(run_rank(cfg, capture_stacks=not args.no_stacks), args)
+    if args.skew_table:
+        from hyperdryrun.commands.frontdoor import skew_table
+        from hyperdryrun.jobs import RecipeJob
+
+        try:
+            table = skew_table(RecipeJob(cfg), cfg, cfg.world.rank, args, cfg.values.hot_expert)
+        except ConfigError as err:
+            return fail(str(err), err, args.debug)
+        return table if table != EXIT_OK else code
+    return code
+
+
+def check_skew_table(many: bool, is_moe: bool | None, name: str) -> None:
+    """``--skew-table`` runs one rank of a MoE job (one-line ConfigError otherwise; ``is_moe`` None: not known)."""
+    if many:
+        raise ConfigError("--skew-table runs the one rank again at each skew: drop --ranks/--all-ranks/--fit")
+    if is_moe is False:
+        raise ConfigError(f"--skew-table: {name!r} is a dense model (no experts to skew)")
 
 
 def finish_rank(out: Any, args: argparse.Namespace) -> int:

@@ -14,19 +14,23 @@ from pathlib import Path
 from typing import Any
 
 from hyperdryrun.commands import (
+    EXIT_OK,
     OneLineParser,
     fail,
     internal_error,
 )
 from hyperdryrun.commands.frontdoor import add_runner_flags
 from hyperdryrun.commands.job import (
+    ROUTING_FLAGS,
     RUN_FLAGS,
     TARGET_FLAGS,
     _dest,
     _set,
     add_flags,
+    add_skew_table_flag,
     merge_rank_identity,
     naming_flag,
+    routing_from_args,
     target_from_args,
 )
 from hyperdryrun.commands.run import finish_rank, parse_ranks
@@ -68,6 +72,8 @@ def register(subparsers: Any) -> None:
     p.__class__ = _ScriptParser
     p.set_defaults(script_args=[])
     add_flags(p, SCRIPT_FLAGS)
+    add_flags(p, ROUTING_FLAGS)
+    add_skew_table_flag(p)
     p.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
     p.add_argument(
         "--all-ranks",
@@ -137,7 +143,7 @@ def run_script_rank(options: dict[str, Any]) -> Any:
         cfg = config_for(options["base"], identity)
         if options.get("identity_file"):
             Path(options["identity_file"]).write_text(json.dumps(identity))
-        execute = ScriptExecute(options["spec"], {}, tuple(options["argv"]))
+        execute = ScriptExecute(options["spec"], {}, tuple(options["argv"]), options.get("routing"))
         outcome = run_rank(cfg, capture_stacks=options["capture_stacks"], execute=execute)
     except (ScriptError, ConfigError) as err:
         return RankOutcome(rank, error=str(err), error_kind=BAD_INPUT)
@@ -197,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     """Parse, run the rank(s), print; the exit code of :mod:`hyperdryrun.commands`."""
     try:
         given, base = job_fields(args)
+        args.routing_spec = routing_from_args(args)
         if args.jobs is not None and args.jobs < 1:
             raise ConfigError(f"--jobs: must be >= 1 (got {args.jobs})")
         many = args.ranks is not None or args.all_ranks
@@ -210,6 +217,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--in-process runs one rank: drop --ranks/--all-ranks/--fit")
         if args.fit and target_from_args(args).capacity_bytes is None:
             raise ConfigError("--fit needs a capacity: give --gpu or --device-memory-gib")
+        if args.skew_table:
+            from hyperdryrun.commands.run import check_skew_table
+
+            check_skew_table(many or args.fit, None, "")
     except ConfigError as err:
         return fail(str(err), err, args.debug)
     if args.fit or many:
@@ -228,6 +239,7 @@ def _one(args: argparse.Namespace, given: dict[str, int | None], base: dict[str,
         "given": given,
         "base": base,
         "capture_stacks": not args.no_stacks,
+        "routing": args.routing_spec,
     }
     if args.in_process:
         out = run_script_rank(options)
@@ -245,7 +257,23 @@ def _one(args: argparse.Namespace, given: dict[str, int | None], base: dict[str,
                 if args.debug:
                     sys.stderr.write(err.traceback_text)
                 return internal_error(str(err), None, args.debug)
-    return finish_rank(out, args)  # exit 1 for "at risk" as for OOM, as run does
+    code = finish_rank(out, args)  # exit 1 for "at risk" as for OOM, as run does
+    if not args.skew_table:
+        return code
+    from hyperdryrun.commands.frontdoor import skew_table
+    from hyperdryrun.jobs import ScriptJob
+
+    probed = _probe(args, given)
+    if isinstance(probed, int):
+        return probed
+    identity = probed["identity"]
+    job = ScriptJob(args.script, tuple(args.script_args), probed, args.routing_spec)
+    spec = args.routing_spec
+    try:
+        table = skew_table(job, config_for(base, identity), identity["rank"] or 0, args, spec.hot_expert)
+    except ConfigError as err:
+        return fail(str(err), err, args.debug)
+    return table if table != EXIT_OK else code
 
 
 def _probe(args: argparse.Namespace, given: dict[str, int | None]) -> dict[str, Any] | int:
@@ -276,7 +304,7 @@ def _many(args: argparse.Namespace, given: dict[str, int | None], base: dict[str
         return probed
     identity = probed["identity"]
     size = identity["world_size"]
-    job = ScriptJob(args.script, tuple(args.script_args), probed)
+    job = ScriptJob(args.script, tuple(args.script_args), probed, args.routing_spec)
     if args.fit:
         root = base.get("output_dir") or config_for(base, identity).output_dir
 

@@ -12,7 +12,15 @@ from typing import Any
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, OneLineParser, fail, one_line
 from hyperdryrun.commands.fit import _ints
 from hyperdryrun.commands.frontdoor import add_runner_flags
-from hyperdryrun.commands.job import TARGET_FLAGS, add_flags, flag_data, target_from_args
+from hyperdryrun.commands.job import (
+    ROUTING_FLAGS,
+    TARGET_FLAGS,
+    add_flags,
+    add_skew_table_flag,
+    flag_data,
+    routing_from_args,
+    target_from_args,
+)
 from hyperdryrun.commands.measure import CPU_ONLY_NOTE
 from hyperdryrun.commands.preflight import check_cuda_environment, check_rank_outputs
 from hyperdryrun.config import ConfigError, JobConfig, build_config, check_rank, rank_from_env
@@ -71,12 +79,8 @@ def register(subparsers: Any) -> None:
         "models; compare with a dry run of --attention sdpa --target-device cpu)",
     )
     add_flags(p, TARGET_FLAGS)
-    p.add_argument(
-        "--routing-from",
-        metavar="REPORT",
-        help="MoE: route as the measured step of REPORT did (a --measure run's rank_<r>_memory.json: each "
-        "routed-experts module's per-expert token counts, given to the expert-parallel dispatch; default: balanced)",
-    )
+    add_flags(p, ROUTING_FLAGS)
+    add_skew_table_flag(p)
     p.add_argument("--output-dir", default=_DEFAULTS["output_dir"].default, help="where rank_<r>/ goes")
     p.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
     p.add_argument(
@@ -140,7 +144,7 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
     ``paths`` and a one-line ``error`` (None when it ran). Module level, so that a spawned child can run it."""
     from hyperdryrun.engine import SimulationError
     from hyperdryrun.integrations.torchtitan import TorchtitanError, simulate_torchtitan
-    from hyperdryrun.integrations.torchtitan_ranks import infer_world_size, routing_from_report
+    from hyperdryrun.integrations.torchtitan_ranks import infer_world_size
     from hyperdryrun.measure.step import MeasureError
     from hyperdryrun.measure.torchtitan import measure_torchtitan
     from hyperdryrun.report import blocks_csv, build_report, error_report, write_error_report, write_reports
@@ -161,13 +165,8 @@ def run_torchtitan_rank(options: dict[str, Any]) -> dict[str, Any]:
             "attention": options.get("attention"),
             "cuda": target.runtime,
         }
-        if options.get("routing_from"):
-            if options.get("measure"):
-                raise TorchtitanError(
-                    f"--routing-from: a measured step routes as its router decides (got {options['routing_from']!r} "
-                    "with --measure)"
-                )
-            job["routing"] = routing_from_report(options["routing_from"])
+        if options.get("routing") is not None:
+            job["routing_spec"] = options["routing"]
         if options.get("measure"):
             trace = measure_torchtitan(options["argv"], **job)
             if target.device != "cpu":
@@ -221,11 +220,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         identity = _identity(args)
         target = target_from_args(args)
+        routing = forced_routing(args)
         check_cuda_environment(target.runtime, target.device)
         check_rank_outputs(args.output_dir, [identity["rank"] or 0])
         many = args.ranks is not None or args.all_ranks or args.fit
         if many:
             _check_many(args, target)
+        if args.skew_table:
+            from hyperdryrun.commands.run import check_skew_table
+
+            check_skew_table(many or args.measure, None, "")
     except ConfigError as err:
         return fail(str(err), err, args.debug)
     if many:
@@ -235,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         **identity,
         "n_layers": args.n_layers,
         "attention": args.attention,
-        "routing_from": args.routing_from,
+        "routing": routing,
         "measure": args.measure,
         "target": target,
         "output_dir": args.output_dir,
@@ -264,7 +268,32 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print_summary(outcome["report"], outcome["paths"])
-    return EXIT_VERDICT if s.get("oom") or s.get("at_risk") else EXIT_OK
+    code = EXIT_VERDICT if s.get("oom") or s.get("at_risk") else EXIT_OK
+    if args.skew_table:
+        return _skew_table(args, identity, routing) or code
+    return code
+
+
+def _skew_table(args: argparse.Namespace, identity: dict[str, int | None], routing: Any) -> int:
+    """``--skew-table`` of one rank (:func:`hyperdryrun.commands.frontdoor.skew_table`)."""
+    from hyperdryrun.commands.frontdoor import skew_table
+    from hyperdryrun.integrations.torchtitan_ranks import TorchtitanError, infer_world_size
+    from hyperdryrun.jobs import TorchtitanFrontJob
+
+    job = TorchtitanFrontJob(tuple(args.torchtitan_args), args.n_layers, args.attention, False, None, routing)
+    try:
+        size = identity["world_size"] or infer_world_size(job.argv) or 1
+        cfg = _config(args, identity, size, args.output_dir)
+        return skew_table(job, cfg, identity["rank"] or 0, args, routing.hot_expert if routing else 0)
+    except (ConfigError, TorchtitanError) as err:
+        return fail(one_line(str(err)), err, args.debug)
+
+
+def forced_routing(args: argparse.Namespace) -> Any:
+    """The routing flags' :class:`~hyperdryrun.world.routing.RoutingSpec`, None where none is given (a dry run then
+    routes balanced, a measured run as its router decides)."""
+    given = any(getattr(args, f.lstrip("-").replace("-", "_")) is not None for f in ROUTING_FLAGS)
+    return routing_from_args(args) if given else None
 
 
 # ------------------------------------------------------------------------------------------------- many ranks
@@ -297,7 +326,9 @@ def _many(args: argparse.Namespace, identity: dict[str, int | None]) -> int:
     from hyperdryrun.jobs import TorchtitanFrontJob
 
     space = SearchSpace(tp=args.fit_tp, pp=args.fit_pp, cp=args.fit_cp, ep=args.fit_ep)
-    job = TorchtitanFrontJob(tuple(args.torchtitan_args), args.n_layers, args.attention, args.measure, space)
+    job = TorchtitanFrontJob(
+        tuple(args.torchtitan_args), args.n_layers, args.attention, args.measure, space, forced_routing(args)
+    )
     try:
         size = identity["world_size"] or infer_world_size(job.argv)
         if size is None:

@@ -4,6 +4,10 @@ torch 2.13.0) executed for real on one rank with torch's fake process group (``m
 - Routing record: the per-expert token counts of every routed-experts module's call (``num_local_tokens_per_expert_E``,
   the argument ``MoE.forward`` passes to ``RoutedExperts.forward``), so that the dry run of the same step can be
   given the measured run's routing (the ``moe.token_counts`` value rules).
+- Forced routing: a measured run given a routing (``--routing``, ``--skew``...) makes every router pick the experts
+  that give its layer those counts, through the router's own override point (``TokenChoiceTopKRouter``'s
+  ``_debug_force_load_balance`` branch, which takes ``_debug_force_load_balance_routing(scores)``'s experts and
+  scores, then normalises and scales them as it would its own choice).
 - Expert parallelism: ``AllToAllTokenDispatcher._token_count_exchange`` all-to-alls the per-expert counts over the EP
   group, and torch's fake process group completes an all-to-all without writing its output (torch 2.13
   ``FakeProcessGroup::alltoall_base``), so the received counts, and from them the split sizes of the token all-to-all
@@ -54,6 +58,47 @@ def recorded_routing(modules: dict[str, Any], into: RoutingRecord) -> Iterator[R
     finally:
         for h in handles:
             h.remove()
+
+
+def forced_ids(counts: list[int], tokens: int, top_k: int) -> list[list[int]]:
+    """``top_k`` distinct experts for each of ``tokens`` tokens such that expert e is picked ``counts[e]`` times
+    (each count at most ``tokens``, adding up to ``tokens * top_k``): the experts in order, each repeated its count,
+    fill the (top_k, tokens) slots row by row; an expert's run is at most ``tokens`` long, so no token gets it twice.
+    """
+    flat = [e for e, n in enumerate(counts) for _ in range(n)]
+    assert len(flat) == tokens * top_k and max(counts) <= tokens, (counts, tokens, top_k)
+    return [[flat[c * tokens + t] for c in range(top_k)] for t in range(tokens)]
+
+
+@contextlib.contextmanager
+def forced_routing(routers: dict[str, Any], token_counts: Any) -> Iterator[None]:
+    """Make each router of ``routers`` (routed-experts module FQN -> its ``TokenChoiceTopKRouter``) pick, for the
+    ``tokens`` of a call, the experts of :func:`forced_ids` for ``token_counts(fqn, tokens, experts, top_k)``;
+    restored on exit (also after an exception)."""
+    import torch
+
+    def routing(name: str, router: Any) -> Any:
+        def force(scores_BLE: Any) -> tuple[Any, Any]:
+            bs, slen, experts = scores_BLE.shape
+            counts = token_counts(name, bs * slen, experts, router.top_k)
+            ids = forced_ids(counts, bs * slen, router.top_k)
+            ids_BLK = torch.tensor(ids, dtype=torch.int64, device=scores_BLE.device).view(
+                bs, slen, router.top_k
+            )
+            return ids_BLK, scores_BLE.gather(dim=-1, index=ids_BLK)
+
+        return force
+
+    saved = {name: r._debug_force_load_balance for name, r in routers.items()}
+    try:
+        for name, router in routers.items():
+            router._debug_force_load_balance = True
+            router._debug_force_load_balance_routing = routing(name, router)
+        yield
+    finally:
+        for name, router in routers.items():
+            router._debug_force_load_balance = saved[name]
+            router.__dict__.pop("_debug_force_load_balance_routing", None)
 
 
 def defined_count_exchange() -> list[Patch]:

@@ -402,13 +402,23 @@ class ScriptExecute:
     layout: dict[str, Any] = field(default_factory=dict)
     argv: tuple[str, ...] = ()
     """The script's own command-line arguments (its ``sys.argv[1:]``)."""
+    routing: Any = None
+    """The MoE routing option (:class:`~hyperdryrun.world.routing.RoutingSpec`, None: balanced): the
+    ``moe.token_counts`` value rules active while the step runs, for the routed layers that ask for them
+    (:mod:`hyperdryrun.parallel.expert`'s dispatch, Hugging Face experts under :func:`~hyperdryrun.parallel.hf.
+    apply_hf_routing`); a script's own ``use_rules`` inside its step wins."""
 
     def __call__(self, cfg: Any, capture_stacks: bool = True) -> Any:
+        from hyperdryrun.world.routing import RoutingSpec
+        from hyperdryrun.world.values import ValueRules, use_rules
+
         world = cfg.world
         local_rank = world.rank if world.local_rank is None else world.local_rank
+        rules = ValueRules((self.routing or RoutingSpec()).routing_rules())
         with (
             script_argv(self.spec, self.argv),
             torchrun_environment(world.world_size, world.rank, local_rank),
+            use_rules(rules),
         ):
             return self._simulate(cfg, capture_stacks, local_rank)
 
@@ -435,6 +445,8 @@ class ScriptExecute:
         shape = tuple(job.get("mesh_shape") or (world.world_size,))
         names = tuple(job.get("mesh_dim_names") or (f"dim{i}" for i in range(len(shape))))
         metadata.setdefault("model", loaded.label)  # the report's headline names the script
+        if self.routing is not None:
+            metadata.setdefault("routing", self.routing.describe())
         metadata.setdefault("parallel", dict(zip(names, shape, strict=False)))
         model_fn, batch_fn = job.pop("model_fn"), job.pop("batch_fn")
         try:
@@ -468,4 +480,5 @@ class ScriptExecute:
                 "mode": loaded.mode if loaded is not None else None,
                 "layout": dict(self.layout),
             },
+            **({"routing": self.routing.describe()} if self.routing is not None else {}),
         }

@@ -105,6 +105,10 @@ class TorchtitanJob(ConfigChecks):
     routing: dict[str, list[int]] | None = None
     """MoE routing of the dry run: per-expert token counts by routed-experts module FQN (e.g. a measured run's,
     :func:`measured_routing`); modules not named route balanced."""
+    routing_spec: Any = None
+    """The routing option (:class:`~hyperdryrun.world.routing.RoutingSpec`: ``--routing``, ``--skew``,
+    ``--routing-from``...), tried after ``routing``; a measured run (``real``) forces its router to the same counts
+    when it is given (None: the router decides)."""
     cuda: Any = None
     """The CUDA runtime of a CUDA target (:class:`~hyperdryrun.world.runtime.CudaRuntime`: the GPU preset's SDPA
     rules, cuBLAS workspace and capacity, the allocator settings); None: the defaults."""
@@ -479,6 +483,8 @@ class TorchtitanJob(ConfigChecks):
             ValueRule(module=name, op=ROUTING_OP, handler="explicit", counts=list(counts))
             for name, counts in sorted((self.routing or {}).items())
         ]
+        if self.routing_spec is not None:
+            given += self.routing_spec.routing_rules()
         rules = ValueRules(
             [
                 ValueRule(module="", op="aten._local_scalar_dense.default", handler="value", value=tokens),
@@ -490,7 +496,9 @@ class TorchtitanJob(ConfigChecks):
             ]
         )
         record: dict[str, list[list[int]]] = {}
+        forced = self.real and self.routing_spec is not None
         with (
+            self._forced_routing(ValueRules(given)) if forced else contextlib.nullcontext(),
             self._recorded_routing(record) if self.real else use_rules(rules, root=model),
             PatchSet(
                 []
@@ -501,6 +509,21 @@ class TorchtitanJob(ConfigChecks):
             Trainer.train_step(trainer, batches)
         if self.real and record:  # the step last run (after the warm-up: the measured one)
             self.metadata["torchtitan"]["routing"] = record
+
+    def _forced_routing(self, rules: Any) -> Any:
+        """Measured runs given a routing: every router of this rank's model parts picks the experts that give each
+        routed layer the counts of ``rules`` (:func:`hyperdryrun.compat.torchtitan_moe.forced_routing`)."""
+        from hyperdryrun.compat.torchtitan_moe import forced_routing
+        from hyperdryrun.trace.tensors import clean_fqn
+
+        parts = self.model_parts if len(self.model_parts) == 1 else [self.model]
+        moes = {
+            clean_fqn(name): m for part in parts for name, m in part.named_modules() if hasattr(m, "router")
+        }
+        return forced_routing(
+            {f"{name}.routed_experts": m.router for name, m in moes.items() if hasattr(m, "routed_experts")},
+            rules.token_counts,
+        )
 
     def _recorded_routing(self, record: dict[str, list[list[int]]]) -> Any:
         """Measured runs: the per-expert token counts of every call of each routed-experts module of this rank's
@@ -573,6 +596,8 @@ class JobArgs(TypedDict, total=False):
     target_device: str
     attention: str | None
     routing: dict[str, list[int]] | None
+    routing_spec: Any
+    """The routing option (:class:`~hyperdryrun.world.routing.RoutingSpec`); a measured run forces it."""
     cuda: Any
     """A CUDA target's :class:`~hyperdryrun.world.runtime.CudaRuntime` (``--gpu``, ``--alloc-conf``)."""
 
@@ -611,6 +636,7 @@ def torchtitan_job(
         args.get("attention"),
         real,
         args.get("routing"),
+        args.get("routing_spec"),
         None if real else args.get("cuda"),
     )
     untested = titan_compat.untested(version)

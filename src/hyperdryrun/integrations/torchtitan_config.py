@@ -140,6 +140,7 @@ class ConfigChecks:
     attention: str | None
     real: bool
     routing: dict[str, list[int]] | None
+    routing_spec: Any
     limitations: list[str]
     metadata: dict[str, Any]
     gradient_accumulation_steps: int
@@ -200,15 +201,25 @@ class ConfigChecks:
         """What the routing of a MoE model's dry run is (stated in the report): on a GPU only expert parallelism's
         all-to-all and the tensors it sizes depend on it; without EP every routed tensor has tokens x top_k rows."""
         moe = [layer.moe for layer in model_config.layers if getattr(layer, "moe", None) is not None]
+        spec = self.routing_spec
+        if moe and self.real and spec is not None:
+            self.limitations.append(
+                f"MoE routing forced: every router picked the experts that give its layer the counts of {spec.describe()}"
+                " (torchtitan's _debug_force_load_balance override point; every EP rank routes alike)"
+            )
         if not moe or self.real or dims.ep == 1:
             return
         given = sorted(self.routing or {})
-        how = (
-            f"the given per-expert counts for {', '.join(given)} (routing=), balanced for any other"
-            if given
-            else "balanced (every expert gets tokens x top_k / experts; measure_torchtitan records a step's real "
-            "counts, measured_routing passes them)"
-        )
+        if given:
+            how = f"the given per-expert counts for {', '.join(given)} (routing=), "
+            how += f"then {spec.describe()}" if spec is not None else "balanced for any other"
+        elif spec is not None:
+            how = spec.describe()
+        else:
+            how = (
+                "balanced (every expert gets tokens x top_k / experts; --routing, --skew, --routing-from give "
+                "another, docs/MOE.md)"
+            )
         self.limitations.append(
             f"MoE routing: the expert-parallel all-to-all's split sizes and the grouped GEMMs' rows come from the "
             f"routing rule (moe.token_counts): {how}; every EP rank routes its tokens alike"

@@ -45,6 +45,13 @@ def job_key(cfg: JobConfig | dict[str, Any], kind: str, **extra: Any) -> str:
     """The cache key of ``cfg`` (a config or its dict) for ``kind``."""
     data = cfg if isinstance(cfg, dict) else cfg.model_dump()
     data = {k: v for k, v in data.items() if k not in _IRRELEVANT}
+    values = data.get("values")
+    if isinstance(values, dict) and values.get("routing_from"):
+        # the file's loads, not its name, decide the step: a file edited since is another job
+        from hyperdryrun.world.routing import load_routing_file
+
+        loads = load_routing_file(values["routing_from"])
+        extra = {**extra, "routing_loads": {str(k): v for k, v in loads.items()}}
     blob = json.dumps(
         {"kind": kind, "format": FORMAT, "job": data, "versions": versions(), **extra},
         sort_keys=True,

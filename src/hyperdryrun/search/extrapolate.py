@@ -200,6 +200,8 @@ def plan_for(cfg: JobConfig) -> tuple[Plan | None, str]:
     t, p = cfg.training, cfg.parallel
     if cfg.values.rules:
         return None, "value rules may single out layers"
+    if cfg.values.routing == "profile":
+        return None, "--routing-from gives each layer its own routing (layers differ)"
     if t.ac == "selective" and t.ac_selective != "op":
         return None, f"ac_selective={t.ac_selective} checkpoints every k-th layer (layers differ)"
     args = cfg.model.args()
