@@ -14,6 +14,7 @@ import torch._dynamo.eval_frame as eval_frame
 import torch._functorch.config as functorch_config
 import torch._inductor.compile_fx as compile_fx_module
 import torch._inductor.config as inductor_config
+import torch._inductor.lowering as inductor_lowering
 import torch.nn.attention.flex_attention as flex_module
 from torch import nn
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -164,6 +165,11 @@ def _globals() -> dict:
             )
         },
         "hop_rules": {name: dict(hop.python_key_table) for name, hop in _higher_order_ops.items()},
+        "flex_lowerings": [
+            inductor_lowering.lowerings.get(hop)
+            for hop in (torch.ops.higher_order.flex_attention, torch.ops.higher_order.flex_attention_backward)
+        ],
+        "flex_library": torch._C._dispatch_has_kernel("hyperdryrun_flex::flex_attention"),
     }
 
 
