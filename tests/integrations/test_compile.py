@@ -219,3 +219,18 @@ def test_a_region_dynamo_cannot_compile_runs_eagerly_and_is_named():
     (line,) = [x for x in trace.limitations if "could not be compiled on the fake tensors" in x]
     assert f"{__name__}.broken_chain" in line and "broken_chain (Unsupported" in line
     assert trace.peak == eager.peak  # the eager bytes: nothing of it was compiled
+
+
+def test_the_console_summary_shows_each_compiled_regions_line():
+    from rich.console import Console
+
+    from hyperdryrun.report.console import print_summary
+
+    report = hyperdryrun.build_report(simulate(lambda: Model(False, inductor_chain), target_device="cpu"))
+    console = Console(record=True, width=100)
+    print_summary(report, [], console=console)
+    text = " ".join(console.export_text().split())
+    assert f"torch.compile region {__name__}.chain: compiled by torch" in text
+    assert (
+        "(16384 B; 24576 B with no recomputation); recomputed in backward: aten.relu x1, aten.sin x1" in text
+    )
