@@ -229,7 +229,17 @@ def context_parallel_metadata(cfg: JobConfig) -> dict | None:
 def parallelize(cfg: JobConfig):
     """The parallelize function of the model family's train spec: TP/AC/FSDP for Llama, TP/EP/AC/FSDP for MoE."""
     fn = train_spec(cfg).parallelize
-    return lambda model, mesh: fn(model, mesh, cfg)
+    if not cfg.training.compile:
+        return lambda model, mesh: fn(model, mesh, cfg)
+
+    def compiled(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        # torchtitan 0.3.0 apply_compile: each transformer block's Module.compile(fullgraph=True)
+        model = fn(model, mesh, cfg) or model
+        for block in model.layers.children():
+            block.compile(fullgraph=True)
+        return model
+
+    return compiled
 
 
 # --- MoE / expert parallel -------------------------------------------------------------------------------------
