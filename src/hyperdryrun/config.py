@@ -246,6 +246,8 @@ class TrainingConfig(_Strict):
     loss run per sequence chunk."""
     loss_chunks: int | None = Field(None, gt=0, le=MAX_TOKENS)
     """Sequence chunks of the chunked loss (default :data:`DEFAULT_LOSS_CHUNKS`, torchtitan's)."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (Inductor), as torchtitan's ``--compile.enable`` does."""
     optimizer: Literal["AdamW", "Adam", "SGD"] = "AdamW"
     optimizer_impl: Literal["foreach", "fused", "for-loop"] = "foreach"
     lr: float = Field(3e-4, gt=0)

@@ -280,7 +280,17 @@ def parallelize(cfg: JobConfig):
     """The parallelize function of the model family's train spec: TP/AC/FSDP for Llama, TP/EP/AC/FSDP for MoE."""
     fn = get_train_spec(cfg.model.family.name).parallelize
     dims, options = cfg.dims, parallelize_options(cfg)
-    return lambda model, mesh: fn(model, mesh, dims, options)
+    if not cfg.training.compile:
+        return lambda model, mesh: fn(model, mesh, dims, options)
+
+    def compiled(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        # torchtitan 0.3.0 apply_compile: each transformer block's Module.compile(fullgraph=True)
+        model = fn(model, mesh, dims, options) or model
+        for block in model.layers.children():
+            block.compile(fullgraph=True)
+        return model
+
+    return compiled
 
 
 # --- MoE / expert parallel -------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch._dynamo.eval_frame as eval_frame
 import torch._functorch.config as functorch_config
 import torch._inductor.compile_fx as compile_fx_module
 import torch._inductor.config as inductor_config
+import torch._inductor.lowering as inductor_lowering
 import torch.nn.attention.flex_attention as flex_module
 from torch import nn
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -164,6 +165,11 @@ def _globals() -> dict:
             )
         },
         "hop_rules": {name: dict(hop.python_key_table) for name, hop in _higher_order_ops.items()},
+        "flex_lowerings": [
+            inductor_lowering.lowerings.get(hop)
+            for hop in (torch.ops.higher_order.flex_attention, torch.ops.higher_order.flex_attention_backward)
+        ],
+        "flex_library": torch._C._dispatch_has_kernel("hyperdryrun_flex::flex_attention"),
     }
 
 
@@ -213,3 +219,18 @@ def test_a_region_dynamo_cannot_compile_runs_eagerly_and_is_named():
     (line,) = [x for x in trace.limitations if "could not be compiled on the fake tensors" in x]
     assert f"{__name__}.broken_chain" in line and "broken_chain (Unsupported" in line
     assert trace.peak == eager.peak  # the eager bytes: nothing of it was compiled
+
+
+def test_the_console_summary_shows_each_compiled_regions_line():
+    from rich.console import Console
+
+    from hyperdryrun.report.console import print_summary
+
+    report = hyperdryrun.build_report(simulate(lambda: Model(False, inductor_chain), target_device="cpu"))
+    console = Console(record=True, width=100)
+    print_summary(report, [], console=console)
+    text = " ".join(console.export_text().split())
+    assert f"torch.compile region {__name__}.chain: compiled by torch" in text
+    assert (
+        "(16384 B; 24576 B with no recomputation); recomputed in backward: aten.relu x1, aten.sin x1" in text
+    )

@@ -215,3 +215,50 @@ def test_cpu_target_keeps_torchs_answer():
             loss_fn=lambda model, x: model(x).float().sum(),
             target_device="cpu",
         )
+
+
+class CompiledRegion(nn.Module):
+    """A compiled block mask, then attention inside a ``fullgraph`` compiled region (torchtitan's per-block compile
+    reaches flex_attention so): dynamo traces torch's flex_attention HOP into the region's graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attend = Attend(compiled=False)
+        self.attend.compile(fullgraph=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attend(x, compiled_block_mask(causal, B, None, L, L, device=x.device))
+
+
+def test_flex_inside_a_compiled_region_is_lowered_as_the_cuda_templates():
+    trace = hyperdryrun.simulate(
+        CompiledRegion,
+        lambda i, device: torch.randn(B, L, E, device=device, dtype=torch.bfloat16),
+        loss_fn=lambda model, x: model(x).float().sum(),
+        world_size=1,
+        capture_stacks=False,
+    )
+    text = " ".join(trace.limitations)
+    assert "torch.compile region Attend module: compiled by torch" in text
+    assert "flex_attention inside compiled regions lowered as Inductor's CUDA Triton templates" in text
+    for eager in ("could not be compiled", "could not lower", "ran eagerly", "without torch.compile"):
+        assert eager not in text
+    backward_starts = first_backward_task(trace)
+    # forward template: out, logsumexp, max_scores in one call; out and logsumexp saved, max_scores dropped
+    forward = blocks_of(trace, "flex_attention")
+    assert sorted(b.requested for b in forward) == sorted([OUT, LSE, LSE])
+    assert len({b.start for b in forward}) == 1
+    out = next(b for b in forward if b.requested == OUT)
+    max_scores, lse = sorted((b for b in forward if b.requested == LSE), key=lambda b: b.end)
+    assert out.end > backward_starts and lse.end > backward_starts
+    assert max_scores.end < backward_starts
+    # backward template: dq (query heads), dk and dv (KV heads) in one call, while Inductor's fp32 delta is live
+    backward = blocks_of(trace, "flex_attention_backward")
+    assert sorted(b.requested for b in backward) == sorted([GRAD_Q, GRAD_KV, GRAD_KV])
+    (call,) = {b.start for b in backward}
+    assert any(
+        b.requested == LSE and b.phase == Phase.BACKWARD and b.start < call < b.end
+        for b in trace.blocks
+        if b.op != "flex_attention_backward"
+    )
+    assert max(b.requested for b in trace.blocks) < B * HQ * L * L * BF16  # no attention scores

@@ -24,7 +24,10 @@ path is not modelled (the compiled kernels' bytes are counted, and a limitation 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -218,6 +221,10 @@ def flex_patches(compiled: Any) -> list[Patch]:
         score_mod_other_buffers: tuple = (),
         mask_mod_other_buffers: tuple = (),
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_dynamo_compiling():
+            # dynamo traces torch's HOP into the region's graph; Inductor lowers it (compile_fx's flex lowering)
+            # (dynamo lifts the score_mod/mask_mod buffers itself: torch's call passes seven arguments)
+            return flex_attention_hop(query, key, value, score_mod, block_mask, scale, kernel_options)
         if not compiled.called_compiled(sys._getframe(1), flex_attention_code):
             compiled.eager_flex_calls += 1
         return _FlexAttentionKernels.apply(
@@ -275,3 +282,146 @@ def flex_patches(compiled: Any) -> list[Patch]:
             "out and logsumexp and their backward allocates delta, dq, dk and dv",
         ),
     ]
+
+
+# ------------------------------------------------------------------------------------ inside a compiled region
+_LIBRARY = "hyperdryrun_flex"
+
+
+def _dense_like(size: list[int], strides: list[int]) -> list[int]:
+    """Dense strides for ``size`` that keep the dimension order of ``strides`` with the last dimension innermost:
+    the layout Inductor's flex templates write (torch 2.11 to 2.14 ``torch/_inductor/kernel/flex/common.py``
+    ``infer_dense_strides``)."""
+    n = len(size)
+    order = sorted(range(n), key=lambda d: (strides[d], -d))
+    order.remove(n - 1)
+    order.insert(0, n - 1)
+    out = [0] * n
+    step = 1
+    for d in order:
+        out[d] = step
+        step *= max(int(size[d]), 1)
+    return out
+
+
+def _empty_dense_like(size: list[int], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_strided(size, _dense_like(size, list(like.stride())), dtype=dtype, device=like.device)
+
+
+def _forward_buffers(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, reads: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, heads, seq_len = query.shape[:3]
+    logsumexp = torch.empty((batch, heads, seq_len), dtype=torch.float32, device=query.device)
+    max_scores = torch.empty((batch, heads, seq_len), dtype=torch.float32, device=query.device)
+    out = _empty_dense_like([batch, heads, seq_len, value.shape[-1]], query, query.dtype)
+    return out, logsumexp, max_scores
+
+
+def _backward_buffers(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    delta: torch.Tensor,
+    reads: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch = query.shape[0]
+    grad_query = _empty_dense_like(list(query.shape), query, query.dtype)
+    grad_value = _empty_dense_like([batch, *value.shape[1:]], value, value.dtype)
+    grad_key = _empty_dense_like([batch, *key.shape[1:]], key, key.dtype)
+    return grad_query, grad_key, grad_value
+
+
+def _ir_tensors(values: Any) -> list[Any]:
+    from torch._inductor import ir
+
+    return [v for v in values if isinstance(v, ir.TensorBox)]
+
+
+@contextlib.contextmanager
+def cuda_flex_lowerings(lowered: collections.Counter) -> Iterator[None]:
+    """Inductor's lowerings of the ``flex_attention`` and ``flex_attention_backward`` HOPs as their CUDA Triton
+    templates allocate, for a graph lowered on this CPU host (whose own lowering is the C++ template, and no
+    backward); both restored on exit.
+
+    torch 2.11 to 2.14 ``torch/_inductor/kernel/flex/flex_attention.py``: the CUDA forward allocates
+    ``logsumexp`` and ``max_scores`` (B, Hq, L) fp32 and the template's output ``out`` (B, Hq, L, Ev) in the query
+    dtype, strided like the query; the backward realises ``delta = sum(out * grad_out, -1)`` in fp32 (Inductor's
+    own pointwise and reduction lowerings, kept here), then allocates ``grad_query`` like the query, and the
+    template writes ``grad_key``/``grad_value`` (Bq, Hkv, S, E) like key and value (summed over the batch when the
+    key's batch is broadcast). Here each template is one extern call (an op of a scoped library whose fake
+    implementation allocates those outputs) that reads the tensors the template reads, so their lifetimes are
+    the template's. ``lowered`` counts the calls lowered, by HOP name."""
+    import math
+
+    from torch._higher_order_ops.flex_attention import flex_attention_backward as backward_hop
+    from torch._inductor import ir
+    from torch._inductor import lowering as inductor_lowering
+
+    aten, prims = torch.ops.aten, torch.ops.prims
+    lowerings = inductor_lowering.lowerings
+    library = torch.library.Library(_LIBRARY, "DEF")
+    try:
+        library.define(
+            "flex_attention(Tensor query, Tensor key, Tensor value, Tensor[] reads) -> (Tensor, Tensor, Tensor)"
+        )
+        library.define(
+            "flex_attention_backward(Tensor query, Tensor key, Tensor value, Tensor delta, Tensor[] reads) -> "
+            "(Tensor, Tensor, Tensor)"
+        )
+        for name, fn in (
+            ("flex_attention", _forward_buffers),
+            ("flex_attention_backward", _backward_buffers),
+        ):
+            library.impl(name, fn, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"{_LIBRARY}::{name}", fn, lib=library)
+        forward_op = getattr(torch.ops, _LIBRARY).flex_attention.default
+        backward_op = getattr(torch.ops, _LIBRARY).flex_attention_backward.default
+
+        def forward(
+            query: Any,
+            key: Any,
+            value: Any,
+            subgraph: Any,
+            block_mask: Any,
+            scale: Any,
+            kernel_options: Any,
+            score_mod_other_buffers: Any,
+            mask_mod_other_buffers: Any,
+        ) -> Any:
+            lowered["flex_attention"] += 1
+            reads = _ir_tensors([*block_mask, *score_mod_other_buffers, *mask_mod_other_buffers])
+            outputs = ir.FallbackKernel.create(forward_op, query, key, value, reads)
+            return tuple(ir.TensorBox.create(x) for x in outputs)
+
+        def backward(*args: Any) -> Any:
+            (query, key, value, out, logsumexp, grad_out, grad_logsumexp, _fw, _joint, block_mask) = args[:10]
+            score_mod_other_buffers, mask_mod_other_buffers = args[12], args[13]
+            lowered["flex_attention_backward"] += 1
+            delta = lowerings[aten.sum](lowerings[aten.mul](out, grad_out), axis=-1)
+            delta = lowerings[prims.convert_element_type](delta, torch.float32)
+            if grad_logsumexp is not None:
+                scaled = lowerings[aten.mul](grad_logsumexp, 1 / math.log(2))
+                delta = lowerings[aten.sub](delta, ir.ExternKernel.require_contiguous(scaled))
+            delta = ir.ExternKernel.require_contiguous(delta)
+            delta.realize()
+            reads = _ir_tensors(
+                [logsumexp, grad_out, *block_mask, *score_mod_other_buffers, *mask_mod_other_buffers]
+            )
+            grad_query, grad_key, grad_value = (
+                ir.TensorBox.create(x)
+                for x in ir.FallbackKernel.create(backward_op, query, key, value, delta, reads)
+            )
+            if key.get_size()[0] != query.get_size()[0]:
+                grad_key = lowerings[aten.sum](grad_key, axis=0, keepdims=True)
+                grad_value = lowerings[aten.sum](grad_value, axis=0, keepdims=True)
+            return grad_query, grad_key, grad_value, tuple(None for _ in score_mod_other_buffers)
+
+        saved = {op: lowerings[op] for op in (flex_attention_hop, backward_hop)}
+        lowerings[flex_attention_hop], lowerings[backward_hop] = forward, backward
+        try:
+            yield
+        finally:
+            lowerings.update(saved)
+    finally:
+        library._destroy()

@@ -181,9 +181,10 @@ def events_from_profiler(
         elif kind in (_EventType.PyCall, _EventType.PyCCall):
             ctx = _Context(**ctx.__dict__)
             ctx.frames = (e, *ctx.frames)
-            if "run_backward" in e.name:
+            py_name = _event_name(e)
+            if "run_backward" in py_name:
                 ctx.in_backward = True
-            if _OPTIMIZER_STEP.search(e.name):
+            if _OPTIMIZER_STEP.search(py_name):
                 ctx.in_optimizer = True
             module = getattr(extra, "module", None) if kind == _EventType.PyCall else None
             if module is not None:
@@ -243,7 +244,7 @@ def _call_name(parent: Any) -> str:
     HyperDryRun's own code, across edits of it (``hyperdryrun.engine:step``, no line number)."""
     if parent is None:
         return "<unknown>"
-    name = parent.name
+    name = _event_name(parent)
     if "method resize_ of torch.storage.UntypedStorage" in name:
         return RESIZE_OP
     return _own_call_name(_ADDRESS.sub("", name))
@@ -269,12 +270,23 @@ def _own_call_name(name: str) -> str:
     return f"{'.'.join(parts)}:{call['function']}"
 
 
+def _event_name(e: Any) -> str:
+    """A profiler event's name; ``"<undecodable>"`` for a Python call whose name torch cannot decode (torch 2.13's
+    profiler reads some Python calls' names inside Inductor-compiled DTensor code as invalid UTF-8 and raises
+    UnicodeDecodeError on ``.name``)."""
+    try:
+        return e.name
+    except UnicodeDecodeError:
+        return "<undecodable>"
+
+
 def _runs_python(e: Any, kinds: Any) -> bool:
     """Whether an op dispatched to Python (a tensor subclass such as DTensor, or a dispatch mode): then it is not
     one kernel, and the ops its Python code issues are what a dry run sees. Other Python inside an op (a garbage
     collection running weakref callbacks during a slow kernel) does not count."""
     return any(
-        c.name == "PythonSubclass" or (c.typed[0] == kinds.PyCall and c.name.endswith("__torch_dispatch__"))
+        _event_name(c) == "PythonSubclass"
+        or (c.typed[0] == kinds.PyCall and _event_name(c).endswith("__torch_dispatch__"))
         for c in e.children
     )
 

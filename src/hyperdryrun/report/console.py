@@ -166,6 +166,11 @@ def print_summary(
         phase = "init" if b["phase"] == "initialization" else b["phase"]
         blk.add_row(f"{b['size'] / (1 << 20):,.1f}", b["category"], b["op"], b["module"], phase, where)
     console.print(blk)
+    compiled = [line for line in report.get("limitations", []) if line.startswith("torch.compile region")]
+    if compiled:  # what compile did to each region (saved for backward, recomputed), or why it ran eagerly
+        console.print()
+        for line in compiled:
+            console.print(line, markup=False, highlight=False)
     for p in paths:
         console.print(f"[dim]wrote {p}[/]", soft_wrap=True)  # a long path stays one line
 

@@ -122,6 +122,8 @@ class CompiledCode:
         self.compiled: dict[str, RegionGraphs] = {}
         self.failed: dict[str, dict[str, None]] = {}
         """Regions with frames that could not be compiled on the fake tensors (they ran eagerly), and why."""
+        self.lowered_flex: Counter = Counter()
+        """flex_attention HOPs traced into compiled regions, lowered as Inductor's CUDA templates, by HOP name."""
         self.eager_flex_calls = 0
         """flex_attention calls not compiled by the user (on a GPU: the unfused path, modelled as compiled)."""
         self._wrapper_codes: set[CodeType] = set()
@@ -155,9 +157,10 @@ class CompiledCode:
             )
             stack.enter_context(_hop_rules(self.mode_class))
             if self.models_flex:
-                from hyperdryrun.compat.torch_flex import flex_patches
+                from hyperdryrun.compat.torch_flex import cuda_flex_lowerings, flex_patches
 
                 stack.enter_context(PatchSet(flex_patches(self)))
+                stack.enter_context(cuda_flex_lowerings(self.lowered_flex))
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -363,6 +366,13 @@ class CompiledCode:
             out.append(
                 f"compiled {' and '.join(modelled)} modelled as Inductor's CUDA kernels: their outputs and saved "
                 "tensors (torch's fake implementations; the backward's fp32 delta), not the kernels' on-chip scratch"
+            )
+        if self.lowered_flex:
+            out.append(
+                "flex_attention inside compiled regions lowered as Inductor's CUDA Triton templates allocate "
+                f"({self.lowered_flex['flex_attention']} forward, {self.lowered_flex['flex_attention_backward']} "
+                "backward graph(s)): out, logsumexp and max_scores in the forward; Inductor's fp32 delta, then dq, dk "
+                "and dv in the backward; not the kernels' on-chip scratch"
             )
         if self.eager_flex_calls:
             out.append(
