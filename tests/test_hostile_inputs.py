@@ -1085,6 +1085,8 @@ def loss_fn(model, batch):
     if os.environ.get("MODE", "") == "print":
         for _ in range(5000):
             print("x" * 80)
+    if os.environ.get("MODE", "") == "loss_kbi":
+        raise KeyboardInterrupt
     return {"loss_none": None, "loss_float": 1.0, "loss_vec": model(batch).sum(0)}.get(os.environ.get("MODE", ""), model(batch).sum())
 def optimizer_fn(params):
     return None if os.environ.get("MODE", "") == "opt_none" else torch.optim.SGD(params, lr=0.1)
@@ -1165,6 +1167,27 @@ def test_30_7_the_scripts_own_prints_into_a_closed_pipe_exit_141_quietly(mode, i
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141, err
     assert err == ""
+
+
+@pytest.mark.parametrize("many", [["--ranks", "0"], ["--all-ranks"]], ids=["ranks", "all-ranks"])
+def test_30_7_the_same_from_the_runners_workers(many, good_run, tmp_path):
+    """Under --ranks/--all-ranks the step runs in the runner's worker processes: their prints into a closed pipe
+    are 141 (they were exit 3, an internal error), a KeyboardInterrupt the job raises is 130, as in one process,
+    and the earlier good report stays."""
+    out, files = good_run
+    (tmp_path / "job.py").write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MODE": "print"}
+    proc = subprocess.Popen(
+        [*HYPERDRYRUN, "script", "job.py", *many, "--output-dir", "out"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
+    proc = hdr(["script", "job.py", *many, "--output-dir", "out"], tmp_path, env={"MODE": "loss_kbi"})
+    assert proc.returncode == 130 and proc.stderr == "hyperdryrun: interrupted (SIGINT)\n", proc.stderr
+    assert unchanged(files)
 
 
 # the smaller items of issue 30
