@@ -1087,6 +1087,8 @@ def loss_fn(model, batch):
             print("x" * 80)
     if os.environ.get("MODE", "") == "loss_kbi":
         raise KeyboardInterrupt
+    if os.environ.get("MODE", "") == "loss_kill":
+        os.kill(os.getpid(), 9)
     return {"loss_none": None, "loss_float": 1.0, "loss_vec": model(batch).sum(0)}.get(os.environ.get("MODE", ""), model(batch).sum())
 def optimizer_fn(params):
     return None if os.environ.get("MODE", "") == "opt_none" else torch.optim.SGD(params, lr=0.1)
@@ -1187,6 +1189,21 @@ def test_30_7_the_same_from_the_runners_workers(many, good_run, tmp_path):
     assert err == ""
     proc = hdr(["script", "job.py", *many, "--output-dir", "out"], tmp_path, env={"MODE": "loss_kbi"})
     assert proc.returncode == 130 and proc.stderr == "hyperdryrun: interrupted (SIGINT)\n", proc.stderr
+    assert unchanged(files)
+
+
+@pytest.mark.parametrize("many", [[], ["--ranks", "0"]], ids=["child", "ranks"])
+def test_30_an_internal_failure_writes_its_error_report_beside_a_good_report(many, good_run, tmp_path):
+    """No good file is replaced by something else: a crash's error report (exit 3, the evidence for a bug report)
+    went over an earlier good report; it now goes beside it, named in the one line, and the good files stay."""
+    out, files = good_run
+    (tmp_path / "job.py").write_text(SCRIPT)
+    proc = hdr(
+        ["script", "job.py", *many, "--quiet", "--output-dir", "out"], tmp_path, env={"MODE": "loss_kill"}
+    )
+    beside = "out/rank_0/rank_0_error.json"
+    assert proc.returncode == 3 and proc.stderr.count("\n") == 1 and f"(report: {beside})" in proc.stderr
+    assert json.loads((tmp_path / beside).read_text())["error"]["type"] == "ChildDied"
     assert unchanged(files)
 
 
