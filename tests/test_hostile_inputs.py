@@ -831,6 +831,45 @@ def test_30_1_fit_outputs_are_not_its_config(tmp_path, capsys, no_simulation):
     assert (tmp_path / "job.yaml").read_bytes() == before
 
 
+@pytest.mark.parametrize(
+    ("argv", "where", "needle"),
+    [
+        (["run", "--config", "out/rank_0/rank_0_memory.csv", "--output-dir", "out"], "csv", "--config"),
+        (["run", "--config", "./out/rank_0/rank_0_memory.csv", "--output-dir", "out", "--ranks", "0"], "csv",
+         "--config"),
+        (["measure", "--config", "out/rank_0/rank_0_memory.csv", "--output-dir", "out"], "csv", "--config"),
+        (["run", "--model", "hf:out/rank_0", "--output-dir", "out"], "config", "--model"),
+        (["run", "--model", "hf:out/rank_0/rank_0_memory.json", "--output-dir", "out"], "json", "--model"),
+        (["run", "--config", "hf.yaml", "--output-dir", "out"], "config", "--model"),
+        (["script", "out/rank_0/rank_0_memory.json:hyperdryrun_job", "--output-dir", "out"], "json", "SCRIPT"),
+        (["script", "out/rank_0/rank_0_error.json", "--output-dir", "out", "--ranks", "0"], "error", "SCRIPT"),
+    ],
+    ids=["run-config", "run-ranks-config", "measure-config", "run-hf-dir", "run-hf-file", "run-hf-in-yaml",
+         "script", "script-ranks-error-report"],
+)  # fmt: skip
+def test_30_1_a_runs_outputs_are_not_its_inputs(argv, where, needle, tmp_path, capsys):
+    """run, measure and script read a job file (--config, an HF config.json, the script) that a rank's output may
+    name: refused up front, naming the flag, and the input stays."""
+    rank = tmp_path / "out" / "rank_0"
+    rank.mkdir(parents=True)
+    hf = (ROOT / "src/hyperdryrun/models/hf_configs/qwen2.5-7b.json").read_text()
+    text = {
+        "csv": "model: {name: llama-tiny}\n",
+        "json": hf if argv[0] == "run" else SCRIPT,
+        "config": hf,
+        "error": SCRIPT,
+    }[where]
+    path = rank / {"csv": "rank_0_memory.csv", "json": "rank_0_memory.json", "config": "config.json",
+                   "error": "rank_0_error.json"}[where]  # fmt: skip
+    path.write_text(text)
+    if where == "config":  # an HF config directory whose config.json is the rank's JSON by another name
+        os.link(path, rank / "rank_0_memory.json")
+    (tmp_path / "hf.yaml").write_text("model: {name: 'hf:out/rank_0'}\n")
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, "--output-dir 'out'", needle, "an input of this command")
+    assert path.read_text() == text
+
+
 def test_30_1_an_output_beside_the_input_is_still_fine(good_run, tmp_path, capsys):
     rc, out, err = cli(["snapshot", G, "-o", "out/rank_0/snap.pickle"], capsys)
     assert rc == 0, err
