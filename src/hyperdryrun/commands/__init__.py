@@ -12,9 +12,14 @@ Exit codes, the same for every command (a CI gate may read them):
 - 141 stdout was closed by its reader (``| head``), silently, as a shell reports SIGPIPE (the user's script's own
   prints included).
 
-A standard stream the shell closed (``>&-``) is ``/dev/null``: the command does its work and its exit code is its
-own. A stdout that refuses writes (``>/dev/full``) is one line and 2; a stderr that does (``2>/dev/full``) changes no
-exit code (:mod:`hyperdryrun.cli`).
+Two ways stdout goes away, two answers. A reader that closed the pipe (``| head -1``: the write fails with EPIPE, as
+SIGPIPE would end a C program) is 141, quietly, whatever the command had done: the reader chose to stop, and a shell's
+``pipefail`` reads it as SIGPIPE. A stdout that was never open (``>&-``: EBADF, no reader at all) is no broken pipe:
+it is ``/dev/null``, as if the shell had redirected it there (Python itself leaves ``sys.stdout`` None and drops what
+is printed), so the command does its work and its exit code is its own (0 when the reports were written, 1 for the
+verdict, 2 for bad input; ``--version >&-`` and ``--help >&-`` are 0). Closed stdin or stderr is the same. A stdout
+that refuses writes (``>/dev/full``: ENOSPC) lost what the command printed: one line and 2; a stderr that does
+(``2>/dev/full``) changes no exit code (:mod:`hyperdryrun.cli`).
 """
 
 from __future__ import annotations
