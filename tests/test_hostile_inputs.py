@@ -1109,6 +1109,16 @@ def test_30_5_a_config_transformers_cannot_build_as_a_decoder_is_bad_input_and_k
     assert unchanged(files)
 
 
+def test_30_an_hf_job_keeps_the_terminal_clean_where_torchao_is_installed(tmp_path):
+    """transformers' model modules import torchao when it is installed; on a CPU torch it logged two "Failed to
+    load ..." lines and two pytree warnings before bad input's one line, and the pytree one after a good run's."""
+    hf = ["run", "--model", "hf:qwen2.5-7b", "--n-layers", "1", "--seq-len", "32", "--quiet"]
+    bad = hdr([*hf, "--dim", "64", "--output-dir", "out"], tmp_path)
+    assert_bad_input(bad.returncode, bad.stderr, "num_attention_heads")
+    good = hdr([*hf, "--output-dir", "out"], tmp_path)
+    assert good.returncode == 0 and good.stderr == "", good.stderr
+
+
 # items 2, 6, 7: the script contract (a user's mistake is the user's: exit 2 naming the callback and what it returned)
 
 SCRIPT = """
