@@ -1290,6 +1290,27 @@ def test_30_rank_takes_ascii_digits_only(value, capsys, monkeypatch, no_simulati
     assert_bad_input(rc, err, "RANK=", "is not an integer")
 
 
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["run", *T, "--world-size", "١"], "--world-size"),
+        (["run", *T, "--seq-len", "6_4"], "--seq-len"),
+        (["run", *T, "--lr", "١.5"], "--lr"),
+        (["run", *T, "--device-memory-gib", "٨٠"], "--device-memory-gib"),
+        (["fit", *FIT, "--world-size", "2", "--tp", "1,٢"], "--tp"),
+        (["fit", *FIT, "--world-size", "2", "--global-batch-tokens", "1_000"], "--global-batch-tokens"),
+        (["compare", "a.json", "b.json", "--tolerance", "٠.1"], "--tolerance"),
+        (["script", "job.py", "--jobs", "٢"], "--jobs"),
+        (["torchtitan", "--fit-tp", "١"], "--fit-tp"),
+        (["torchtitan", "--margin-gib", "١"], "--margin-gib"),
+    ],
+)
+def test_30_a_number_flag_takes_ascii_digits_only(argv, flag, capsys, no_simulation):
+    """As RANK=: Python's int() and float() read '١' and '1_0'; a flag's number is ASCII digits (they ran)."""
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, f"argument {flag}: invalid")
+
+
 def test_30_snapshot_to_a_gz_name_is_gzip_compressed_and_reads_back(good_run, tmp_path, capsys):
     rc, _, err = cli(["snapshot", G, "-o", "s.pickle.gz"], capsys)
     assert rc == 0, err

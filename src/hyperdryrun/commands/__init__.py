@@ -43,8 +43,28 @@ EXIT_ERROR = EXIT_BAD_INPUT
 RERUN_WITH_DEBUG = "internal error: rerun with --debug for the traceback"
 
 
+def plain_int(text: str) -> int:
+    """``int(text)`` for ASCII digits only: Python's ``int`` also takes ``'1_0'`` and ``'١'`` (an Arabic-Indic one),
+    which no user means as a number of a flag (issue 30)."""
+    if not plain_number(text):
+        raise ValueError(f"{text!r} is not an integer of ASCII digits")
+    return int(text)
+
+
+def plain_number(text: str) -> bool:
+    """Whether ``text`` is free of what Python's ``int``/``float`` take beyond a plain number: non-ASCII digits,
+    ``_`` separators."""
+    return text.isascii() and "_" not in text
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit 2."""
+    """argparse, but a usage error is one line and exit 2, and an int or float flag takes ASCII digits only."""
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
+        if action.type in (int, float) and isinstance(arg_string, str) and not plain_number(arg_string):
+            name = action.type.__name__  # type: ignore[union-attr]
+            raise argparse.ArgumentError(action, f"invalid {name} value: {arg_string!r} (ASCII digits only)")
+        return super()._get_value(action, arg_string)  # type: ignore[misc]
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"hyperdryrun: error: {message}\n")
