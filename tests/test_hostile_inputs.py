@@ -831,6 +831,45 @@ def test_30_1_fit_outputs_are_not_its_config(tmp_path, capsys, no_simulation):
     assert (tmp_path / "job.yaml").read_bytes() == before
 
 
+@pytest.mark.parametrize(
+    ("argv", "where", "needle"),
+    [
+        (["run", "--config", "out/rank_0/rank_0_memory.csv", "--output-dir", "out"], "csv", "--config"),
+        (["run", "--config", "./out/rank_0/rank_0_memory.csv", "--output-dir", "out", "--ranks", "0"], "csv",
+         "--config"),
+        (["measure", "--config", "out/rank_0/rank_0_memory.csv", "--output-dir", "out"], "csv", "--config"),
+        (["run", "--model", "hf:out/rank_0", "--output-dir", "out"], "config", "--model"),
+        (["run", "--model", "hf:out/rank_0/rank_0_memory.json", "--output-dir", "out"], "json", "--model"),
+        (["run", "--config", "hf.yaml", "--output-dir", "out"], "config", "--model"),
+        (["script", "out/rank_0/rank_0_memory.json:hyperdryrun_job", "--output-dir", "out"], "json", "SCRIPT"),
+        (["script", "out/rank_0/rank_0_error.json", "--output-dir", "out", "--ranks", "0"], "error", "SCRIPT"),
+    ],
+    ids=["run-config", "run-ranks-config", "measure-config", "run-hf-dir", "run-hf-file", "run-hf-in-yaml",
+         "script", "script-ranks-error-report"],
+)  # fmt: skip
+def test_30_1_a_runs_outputs_are_not_its_inputs(argv, where, needle, tmp_path, capsys):
+    """run, measure and script read a job file (--config, an HF config.json, the script) that a rank's output may
+    name: refused up front, naming the flag, and the input stays."""
+    rank = tmp_path / "out" / "rank_0"
+    rank.mkdir(parents=True)
+    hf = (ROOT / "src/hyperdryrun/models/hf_configs/qwen2.5-7b.json").read_text()
+    text = {
+        "csv": "model: {name: llama-tiny}\n",
+        "json": hf if argv[0] == "run" else SCRIPT,
+        "config": hf,
+        "error": SCRIPT,
+    }[where]
+    path = rank / {"csv": "rank_0_memory.csv", "json": "rank_0_memory.json", "config": "config.json",
+                   "error": "rank_0_error.json"}[where]  # fmt: skip
+    path.write_text(text)
+    if where == "config":  # an HF config directory whose config.json is the rank's JSON by another name
+        os.link(path, rank / "rank_0_memory.json")
+    (tmp_path / "hf.yaml").write_text("model: {name: 'hf:out/rank_0'}\n")
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, "--output-dir 'out'", needle, "an input of this command")
+    assert path.read_text() == text
+
+
 def test_30_1_an_output_beside_the_input_is_still_fine(good_run, tmp_path, capsys):
     rc, out, err = cli(["snapshot", G, "-o", "out/rank_0/snap.pickle"], capsys)
     assert rc == 0, err
@@ -1071,6 +1110,16 @@ def test_30_5_a_config_transformers_cannot_build_as_a_decoder_is_bad_input_and_k
     assert unchanged(files)
 
 
+def test_30_an_hf_job_keeps_the_terminal_clean_where_torchao_is_installed(tmp_path):
+    """transformers' model modules import torchao when it is installed; on a CPU torch it logged two "Failed to
+    load ..." lines and two pytree warnings before bad input's one line, and the pytree one after a good run's."""
+    hf = ["run", "--model", "hf:qwen2.5-7b", "--n-layers", "1", "--seq-len", "32", "--quiet"]
+    bad = hdr([*hf, "--dim", "64", "--output-dir", "out"], tmp_path)
+    assert_bad_input(bad.returncode, bad.stderr, "num_attention_heads")
+    good = hdr([*hf, "--output-dir", "out"], tmp_path)
+    assert good.returncode == 0 and good.stderr == "", good.stderr
+
+
 # items 2, 6, 7: the script contract (a user's mistake is the user's: exit 2 naming the callback and what it returned)
 
 SCRIPT = """
@@ -1086,6 +1135,10 @@ def loss_fn(model, batch):
     if os.environ.get("MODE", "") == "print":
         for _ in range(5000):
             print("x" * 80)
+    if os.environ.get("MODE", "") == "loss_kbi":
+        raise KeyboardInterrupt
+    if os.environ.get("MODE", "") == "loss_kill":
+        os.kill(os.getpid(), 9)
     return {"loss_none": None, "loss_float": 1.0, "loss_vec": model(batch).sum(0)}.get(os.environ.get("MODE", ""), model(batch).sum())
 def optimizer_fn(params):
     return None if os.environ.get("MODE", "") == "opt_none" else torch.optim.SGD(params, lr=0.1)
@@ -1168,6 +1221,42 @@ def test_30_7_the_scripts_own_prints_into_a_closed_pipe_exit_141_quietly(mode, i
     assert err == ""
 
 
+@pytest.mark.parametrize("many", [["--ranks", "0"], ["--all-ranks"]], ids=["ranks", "all-ranks"])
+def test_30_7_the_same_from_the_runners_workers(many, good_run, tmp_path):
+    """Under --ranks/--all-ranks the step runs in the runner's worker processes: their prints into a closed pipe
+    are 141 (they were exit 3, an internal error), a KeyboardInterrupt the job raises is 130, as in one process,
+    and the earlier good report stays."""
+    out, files = good_run
+    (tmp_path / "job.py").write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MODE": "print"}
+    proc = subprocess.Popen(
+        [*HYPERDRYRUN, "script", "job.py", *many, "--output-dir", "out"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
+    proc = hdr(["script", "job.py", *many, "--output-dir", "out"], tmp_path, env={"MODE": "loss_kbi"})
+    assert proc.returncode == 130 and proc.stderr == "hyperdryrun: interrupted (SIGINT)\n", proc.stderr
+    assert unchanged(files)
+
+
+@pytest.mark.parametrize("many", [[], ["--ranks", "0"]], ids=["child", "ranks"])
+def test_30_an_internal_failure_writes_its_error_report_beside_a_good_report(many, good_run, tmp_path):
+    """No good file is replaced by something else: a crash's error report (exit 3, the evidence for a bug report)
+    went over an earlier good report; it now goes beside it, named in the one line, and the good files stay."""
+    out, files = good_run
+    (tmp_path / "job.py").write_text(SCRIPT)
+    proc = hdr(
+        ["script", "job.py", *many, "--quiet", "--output-dir", "out"], tmp_path, env={"MODE": "loss_kill"}
+    )
+    beside = "out/rank_0/rank_0_error.json"
+    assert proc.returncode == 3 and proc.stderr.count("\n") == 1 and f"(report: {beside})" in proc.stderr
+    assert json.loads((tmp_path / beside).read_text())["error"]["type"] == "ChildDied"
+    assert unchanged(files)
+
+
 # the smaller items of issue 30
 
 
@@ -1200,6 +1289,27 @@ def test_30_rank_takes_ascii_digits_only(value, capsys, monkeypatch, no_simulati
     monkeypatch.setenv("RANK", value)
     rc, _, err = cli(["run", *T], capsys)
     assert_bad_input(rc, err, "RANK=", "is not an integer")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["run", *T, "--world-size", "١"], "--world-size"),
+        (["run", *T, "--seq-len", "6_4"], "--seq-len"),
+        (["run", *T, "--lr", "١.5"], "--lr"),
+        (["run", *T, "--device-memory-gib", "٨٠"], "--device-memory-gib"),
+        (["fit", *FIT, "--world-size", "2", "--tp", "1,٢"], "--tp"),
+        (["fit", *FIT, "--world-size", "2", "--global-batch-tokens", "1_000"], "--global-batch-tokens"),
+        (["compare", "a.json", "b.json", "--tolerance", "٠.1"], "--tolerance"),
+        (["script", "job.py", "--jobs", "٢"], "--jobs"),
+        (["torchtitan", "--fit-tp", "١"], "--fit-tp"),
+        (["torchtitan", "--margin-gib", "١"], "--margin-gib"),
+    ],
+)
+def test_30_a_number_flag_takes_ascii_digits_only(argv, flag, capsys, no_simulation):
+    """As RANK=: Python's int() and float() read '١' and '1_0'; a flag's number is ASCII digits (they ran)."""
+    rc, _, err = cli(argv, capsys)
+    assert_bad_input(rc, err, f"argument {flag}: invalid")
 
 
 def test_30_snapshot_to_a_gz_name_is_gzip_compressed_and_reads_back(good_run, tmp_path, capsys):

@@ -152,6 +152,18 @@ def test_a_worker_that_dies_is_an_internal_error(tmp_path):
     assert "SIGKILL" in report["error"]["message"] and report["metadata"]["rank"] == 0
 
 
+def test_an_internal_failure_keeps_an_earlier_good_report_and_writes_its_error_report_beside(tmp_path):
+    # issue 30: no good file is replaced by something else (an error report went over the good JSON)
+    (good,) = run_ranks(job(tmp_path), [0], execute=fixture_trace)
+    before = files(tmp_path / "out")
+    (o,) = run_ranks(job(tmp_path), [0], execute=dies)
+    beside = tmp_path / "out" / "rank_0" / "rank_0_error.json"
+    assert o.error_kind == INTERNAL and o.paths == [str(beside)] and o.error.endswith(f"(report: {beside})")
+    assert json.loads(beside.read_text())["error"]["type"] == "ChildDied"
+    after = files(tmp_path / "out")
+    assert after.pop("rank_0/rank_0_error.json") and after == before
+
+
 def test_a_callback_that_raises_stops_every_worker_and_nothing_more_is_written(tmp_path):
     def stop(outcome, done, total):
         raise KeyboardInterrupt

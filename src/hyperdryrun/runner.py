@@ -40,6 +40,9 @@ BAD_INPUT = "bad input"
 """``RankOutcome.error_kind`` of a failure the user can fix: the job, a value rule, the output directory."""
 INTERNAL = "internal"
 """``RankOutcome.error_kind`` of any other failure: a bug here or in torch, a worker that died."""
+_STOPPED = {"BrokenPipeError": BrokenPipeError, "KeyboardInterrupt": KeyboardInterrupt}
+"""What a worker's job raised that stops the whole run as it would in this process (a ``_Computed.kind``): its own
+prints into a stdout whose reader went away (``| head``: 141), a KeyboardInterrupt its code raised (130)."""
 
 Execute = Callable[..., Any]
 """``execute(cfg, capture_stacks=...) -> StepTrace``: how a rank's step is run (default: the dry run,
@@ -259,6 +262,8 @@ def _in_workers(
                 rank, proc = running[conn]
                 done = _receive(conn, proc, rank, {"mode": work[2], "world_size": cfg.world.world_size})
                 del running[conn]
+                if done.kind in _STOPPED:  # the other workers are killed below, nothing more is written
+                    raise _STOPPED[done.kind]()
                 outcomes[rank] = _write(done, cfg.output_dir, reporters)
                 if on_rank_done is not None:
                     on_rank_done(outcomes[rank], len(outcomes), len(ranks))
@@ -332,13 +337,16 @@ def _worker(
         done = _simulate(build_config(data), capture_stacks, execute, mode)
         if done.result is not None:
             done.result.trace = None  # the parent writes from the report and the CSV
+    except (BrokenPipeError, KeyboardInterrupt) as err:  # as in the parent's own process: 141, 130
+        done = _Computed(rank, None, f"rank {rank}: {type(err).__name__}", type(err).__name__)
     except Exception as err:
         done = _Computed(rank, None, one_line(f"rank {rank}: {type(err).__name__}: {err}"), error_kind(err))
         done.traceback = _formatted(err)
     conn.send(done)
     conn.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a stdout whose reader has gone: the answer is sent
+            stream.flush()
     os._exit(0)  # no interpreter teardown: the parent is waiting to reap this process
 
 

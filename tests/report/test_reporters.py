@@ -82,8 +82,22 @@ def test_unknown_reporter_is_a_one_line_error_naming_it_and_the_known_ones(tmp_p
     assert reporters_named(["csv"]) == [REPORTERS["json"]]
 
 
-def test_an_error_report_is_written_alone_and_removes_a_stale_csv(tmp_path):
+def test_an_error_report_is_written_beside_a_good_report_never_over_it(tmp_path):
     write_rank_reports(ok(), tmp_path)
+    good = listing(tmp_path)
+    err = {
+        "schema_version": "1.0",
+        "status": "error",
+        "stage": "step",
+        "error": {"type": "X", "message": "m"},
+    }
+    paths = write_rank_reports(RankReport(0, err), tmp_path)
+    assert paths == [tmp_path / "rank_0" / "rank_0_error.json"]
+    assert listing(tmp_path) == good | {"rank_0/rank_0_error.json"}
+    assert json.loads(paths[0].read_text()) == err
+
+
+def test_an_error_report_alone_is_the_ranks_json(tmp_path):
     err = {
         "schema_version": "1.0",
         "status": "error",
@@ -93,7 +107,6 @@ def test_an_error_report_is_written_alone_and_removes_a_stale_csv(tmp_path):
     paths = write_rank_reports(RankReport(0, err), tmp_path)
     assert paths == [tmp_path / "rank_0" / "rank_0_memory.json"]
     assert listing(tmp_path) == {"rank_0", "rank_0/rank_0_memory.json"}
-    assert json.loads(paths[0].read_text()) == err
 
 
 def test_an_ok_report_without_its_csv_is_refused(tmp_path):

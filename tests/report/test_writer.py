@@ -167,13 +167,35 @@ def test_write_reports_unserialisable_keeps_previous_files(tmp_path):
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
-def test_error_report_removes_stale_csv(tmp_path):
+def test_error_report_goes_beside_a_good_report_and_never_replaces_it(tmp_path):
+    # issue 30: no good file is replaced by something else; a later good run takes the stale error report away
     write_reports(ok_report(), CSV_TEXT, tmp_path, 0)
+    good = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     err = {"schema_version": 1, "status": "error", "stage": "step", "error": {"type": "X", "message": "m"}}
     path = write_error_report(err, tmp_path, 0)
-    assert path == tmp_path / "rank_0" / "rank_0_memory.json"
-    assert listing(tmp_path) == {"rank_0", "rank_0/rank_0_memory.json"}
+    assert path == tmp_path / "rank_0" / "rank_0_error.json"
     assert json.loads(path.read_text()) == err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p != path} == good
+    write_reports(ok_report(peak_bytes=5), CSV_TEXT, tmp_path, 0)
+    assert listing(tmp_path) == {"rank_0", "rank_0/rank_0_memory.json", "rank_0/rank_0_memory.csv"}
+
+
+def test_error_report_replaces_an_earlier_error_report_and_a_stale_csv(tmp_path):
+    err = {
+        "schema_version": "1.0",
+        "status": "error",
+        "stage": "step",
+        "error": {"type": "X", "message": "m"},
+    }
+    json_path = write_error_report(err, tmp_path, 0)
+    assert json_path == tmp_path / "rank_0" / "rank_0_memory.json"
+    # a CSV the error report would contradict
+    (tmp_path / "rank_0" / "rank_0_memory.csv").write_text(CSV_TEXT)
+    (tmp_path / "rank_0" / "rank_0_error.json").write_text("{}\n")
+    again = {**err, "stage": "parallelize"}
+    assert write_error_report(again, tmp_path, 0) == json_path
+    assert listing(tmp_path) == {"rank_0", "rank_0/rank_0_memory.json"}
+    assert json.loads(json_path.read_text()) == again
 
 
 def test_error_report_unserialisable_writes_nothing(tmp_path):

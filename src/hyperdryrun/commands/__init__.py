@@ -12,9 +12,14 @@ Exit codes, the same for every command (a CI gate may read them):
 - 141 stdout was closed by its reader (``| head``), silently, as a shell reports SIGPIPE (the user's script's own
   prints included).
 
-A standard stream the shell closed (``>&-``) is ``/dev/null``: the command does its work and its exit code is its
-own. A stdout that refuses writes (``>/dev/full``) is one line and 2; a stderr that does (``2>/dev/full``) changes no
-exit code (:mod:`hyperdryrun.cli`).
+Two ways stdout goes away, two answers. A reader that closed the pipe (``| head -1``: the write fails with EPIPE, as
+SIGPIPE would end a C program) is 141, quietly, whatever the command had done: the reader chose to stop, and a shell's
+``pipefail`` reads it as SIGPIPE. A stdout that was never open (``>&-``: EBADF, no reader at all) is no broken pipe:
+it is ``/dev/null``, as if the shell had redirected it there (Python itself leaves ``sys.stdout`` None and drops what
+is printed), so the command does its work and its exit code is its own (0 when the reports were written, 1 for the
+verdict, 2 for bad input; ``--version >&-`` and ``--help >&-`` are 0). Closed stdin or stderr is the same. A stdout
+that refuses writes (``>/dev/full``: ENOSPC) lost what the command printed: one line and 2; a stderr that does
+(``2>/dev/full``) changes no exit code (:mod:`hyperdryrun.cli`).
 """
 
 from __future__ import annotations
@@ -38,8 +43,28 @@ EXIT_ERROR = EXIT_BAD_INPUT
 RERUN_WITH_DEBUG = "internal error: rerun with --debug for the traceback"
 
 
+def plain_int(text: str) -> int:
+    """``int(text)`` for ASCII digits only: Python's ``int`` also takes ``'1_0'`` and ``'١'`` (an Arabic-Indic one),
+    which no user means as a number of a flag (issue 30)."""
+    if not plain_number(text):
+        raise ValueError(f"{text!r} is not an integer of ASCII digits")
+    return int(text)
+
+
+def plain_number(text: str) -> bool:
+    """Whether ``text`` is free of what Python's ``int``/``float`` take beyond a plain number: non-ASCII digits,
+    ``_`` separators."""
+    return text.isascii() and "_" not in text
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit 2."""
+    """argparse, but a usage error is one line and exit 2, and an int or float flag takes ASCII digits only."""
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
+        if action.type in (int, float) and isinstance(arg_string, str) and not plain_number(arg_string):
+            name = action.type.__name__  # type: ignore[union-attr]
+            raise argparse.ArgumentError(action, f"invalid {name} value: {arg_string!r} (ASCII digits only)")
+        return super()._get_value(action, arg_string)  # type: ignore[misc]
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"hyperdryrun: error: {message}\n")

@@ -15,7 +15,7 @@ from typing import Any
 
 from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION
 from hyperdryrun.bounds import MAX_GIB, MAX_GLOBAL_SEQS, shown_number
-from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail
+from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, fail, plain_int
 from hyperdryrun.commands.job import _BOOL, RUN_FLAGS, _dest, _set, naming_flag
 from hyperdryrun.commands.preflight import check_output_dir, check_output_file, check_world_size
 from hyperdryrun.config import ConfigError, build_config, load_yaml, rank_from_env
@@ -35,7 +35,7 @@ JOB_FLAGS = {f: v for f, v in RUN_FLAGS.items() if v[0] not in SEARCHED | NOT_FO
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
+    return tuple(plain_int(x) for x in text.split(","))
 
 
 _ints.__name__ = "comma-separated list of integers"

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from hyperdryrun.allocator.verdict import DEVICE_ERROR_FRACTION
+from hyperdryrun.commands import plain_int
 from hyperdryrun.commands.preflight import WORLD_SIZE, check_job_environment, check_output_dir
 from hyperdryrun.config import TORCHRUN_VARS, ConfigError, JobConfig, build_config, load_yaml, rank_from_env
 from hyperdryrun.models.hf import HF_PREFIX, shipped_configs
@@ -23,7 +24,7 @@ from hyperdryrun.models.registry import presets_help
 
 def _int_list(text: str) -> list[int]:
     """``4,8,8,4`` -> [4, 8, 8, 4] (argparse reports a ValueError as a one-line usage error)."""
-    return [int(x) for x in text.split(",")]
+    return [plain_int(x) for x in text.split(",")]
 
 
 _int_list.__name__ = "comma-separated list of integers"

@@ -13,7 +13,7 @@ from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail
 from hyperdryrun.commands.job import add_job_arguments, job_from_args, print_warnings
-from hyperdryrun.commands.preflight import check_rank_outputs
+from hyperdryrun.commands.preflight import check_rank_outputs, job_inputs
 from hyperdryrun.config import ConfigError
 
 CPU_ONLY_NOTE = (
@@ -151,7 +151,7 @@ def measure_command(args: argparse.Namespace) -> int:
     warnings: list[str] = []
     try:
         cfg = job_from_args(args, warnings=warnings)
-        check_rank_outputs(cfg.output_dir, [cfg.world.rank])
+        check_rank_outputs(cfg.output_dir, [cfg.world.rank], inputs=job_inputs(args, cfg))
     except ConfigError as err:
         return fail(str(err), err, args.debug)
     print_warnings(warnings)

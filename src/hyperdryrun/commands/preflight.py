@@ -206,15 +206,54 @@ def _check_output_file(path: str | os.PathLike, flag: str, make_parent: bool) ->
 
 
 def check_rank_outputs(
-    output_dir: str | os.PathLike, ranks: Iterable[int], flag: str = "--output-dir"
+    output_dir: str | os.PathLike,
+    ranks: Iterable[int],
+    flag: str = "--output-dir",
+    inputs: Mapping[str, str | os.PathLike | None] | None = None,
 ) -> None:
-    """Every file a run writes for ``ranks`` under ``output_dir`` (``rank_<r>/rank_<r>_memory.json`` and its CSVs)
-    can be written."""
-    from hyperdryrun.report.writer import rank_paths, segments_path
+    """Every file a run writes for ``ranks`` under ``output_dir`` (``rank_<r>/rank_<r>_memory.json`` and its CSVs,
+    the error report beside) can be written, and none is one of the files the job reads (``inputs``: the flag that
+    names each, ``{"--config": "job.yaml"}``; the same file by any name)."""
+    from hyperdryrun.report.writer import error_path, rank_paths, segments_path
 
     check_output_dir(output_dir, flag)
     for r in ranks:
         json_path, csv_path = rank_paths(output_dir, r)
         check_output_dir(json_path.parent, flag)
-        for path in (json_path, csv_path, segments_path(output_dir, r)):
+        for path in (json_path, csv_path, segments_path(output_dir, r), error_path(output_dir, r)):
             check_output_file(path, flag, make_parent=True)
+            _not_read(path, flag, output_dir, inputs or {})
+
+
+def _not_read(
+    path: Path, flag: str, output_dir: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None]
+) -> None:
+    if not os.path.lexists(path):
+        return
+    for input_flag, given in inputs.items():
+        if given is None or not os.path.isfile(given):
+            continue
+        try:
+            same = os.path.samefile(path, given)
+        except OSError:
+            same = os.path.realpath(path) == os.path.realpath(given)
+        if same:
+            raise ConfigError(
+                f"{flag} {str(output_dir)!r}: would write {str(path)!r} over {input_flag} {str(given)!r}, an input "
+                "of this command: name another output directory"
+            )
+
+
+def job_inputs(args: object, cfg: JobConfig | None = None) -> dict[str, str | None]:
+    """The files a built-in job reads, by the flag that names them: ``--config`` and an HF config.json
+    (``--model hf:PATH``, from the flag or the job file)."""
+    inputs: dict[str, str | None] = {"--config": getattr(args, "config", None)}
+    name = cfg.model.name if cfg is not None else getattr(args, "model", None)
+    if isinstance(name, str) and name.startswith("hf:"):
+        from hyperdryrun.models.hf import config_path
+
+        try:
+            inputs["--model"] = str(config_path(name))
+        except ConfigError:
+            pass  # refused where the model is built, naming it
+    return inputs

@@ -9,7 +9,7 @@ from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail
 from hyperdryrun.commands.job import add_job_arguments, add_skew_table_flag, job_from_args, print_warnings
-from hyperdryrun.commands.preflight import check_output_file, check_rank_outputs
+from hyperdryrun.commands.preflight import check_output_file, check_rank_outputs, job_inputs
 from hyperdryrun.config import ConfigError
 
 
@@ -78,8 +78,10 @@ def run(args: argparse.Namespace) -> int:
 
             classes = rank_classes(cfg)
             ranks = [c.representative for c in classes]
-            check_output_file(Path(cfg.output_dir) / "rank_classes.json", "--output-dir", make_parent=True)
-        check_rank_outputs(cfg.output_dir, [cfg.world.rank] if ranks is None else ranks)
+            classes_file = Path(cfg.output_dir) / "rank_classes.json"
+            check_output_file(classes_file, "--output-dir", True, job_inputs(args, cfg).values())
+        inputs = job_inputs(args, cfg)
+        check_rank_outputs(cfg.output_dir, [cfg.world.rank] if ranks is None else ranks, inputs=inputs)
         if args.skew_table:
             check_skew_table(ranks is not None, cfg.model.is_moe, cfg.model.name)
     except ConfigError as err:

@@ -33,8 +33,9 @@ from hyperdryrun.commands.job import (
     routing_from_args,
     target_from_args,
 )
+from hyperdryrun.commands.preflight import check_rank_outputs
 from hyperdryrun.commands.run import finish_rank, parse_ranks
-from hyperdryrun.config import ConfigError, build_config
+from hyperdryrun.config import ConfigError, JobConfig, build_config
 
 SCRIPT_FLAGS = ("--world-size", "--rank", "--local-rank", *TARGET_FLAGS, "--output-dir", "--live-set-limit")
 """``run``'s flags that apply to a script's job (the rest describe the built-in recipe's model and layout)."""
@@ -115,6 +116,18 @@ def job_fields(args: argparse.Namespace, environ: Any = None) -> tuple[dict[str,
     except ConfigError as err:
         raise naming_flag(err) from None
     return given, base
+
+
+def output_dir(base: dict[str, Any]) -> str:
+    """The output directory of the job fields ``base`` (the default where none is given)."""
+    return base.get("output_dir") or JobConfig.model_fields["output_dir"].default
+
+
+def script_inputs(args: argparse.Namespace) -> dict[str, str | None]:
+    """The file the script front door reads, by what names it (a run's outputs must not be it)."""
+    from hyperdryrun.integrations.script import script_file
+
+    return {"SCRIPT": script_file(args.script)}
 
 
 def config_for(base: dict[str, Any], identity: dict[str, int | None]) -> Any:
@@ -221,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
             from hyperdryrun.commands.run import check_skew_table
 
             check_skew_table(many or args.fit, None, "")
+        # the outputs, before the script runs (its rank may be its own: the launched one's files, or rank 0's)
+        check_rank_outputs(output_dir(base), [given.get("rank") or 0], inputs=script_inputs(args))
     except ConfigError as err:
         return fail(str(err), err, args.debug)
     if args.fit or many:
@@ -317,7 +332,8 @@ def _many(args: argparse.Namespace, given: dict[str, int | None], base: dict[str
     cfg = config_for(base, {**identity, "rank": 0})
     try:
         ranks = parse_ranks(args, size)
+        assert ranks is not None
+        check_rank_outputs(cfg.output_dir, ranks, inputs=script_inputs(args))
     except ConfigError as err:
         return fail(str(err), err, args.debug)
-    assert ranks is not None
     return run_many(job, cfg, ranks, args, job.rank_classes(size, {}) if args.all_ranks else None)

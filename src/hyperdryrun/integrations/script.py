@@ -151,6 +151,11 @@ def _split(spec: str) -> tuple[str | None, str | None, str | None]:
     return None, target, function
 
 
+def script_file(spec: str) -> str | None:
+    """The Python file a spec names (None for a module: found on the path when loaded)."""
+    return _split(spec)[0]
+
+
 def load_script(spec: str) -> LoadedScript:
     """Execute the script of ``spec`` (once per process) with simulate() captured; its job function or its call.
     The file's directory (or, for a module, the working directory) goes first on ``sys.path``, as ``python FILE``

@@ -179,9 +179,15 @@ def _causal_lm_problem(args: HFArgs) -> tuple[str, str] | str | None:
 
 
 def transformers_module() -> Any:
-    """transformers, or a one-line error saying how to install it."""
+    """transformers, or a one-line error saying how to install it. torchao, which transformers' model modules import
+    when it is installed, is imported first with its CPU-torch warnings silenced (:func:`quiet_import`): they
+    reached the terminal of every HF job, bad input's one line included."""
+    from hyperdryrun.compat.torchao import quiet_import
+
     try:
-        import transformers
+        with quiet_import():
+            import transformers
+            import transformers.modeling_utils  # noqa: F401  (what imports torchao's safetensors, MX modules)
     except ImportError:
         raise ValueError(
             "--model hf:...: Hugging Face models need transformers: pip install 'hyperdryrun[hf]'"

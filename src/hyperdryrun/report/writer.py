@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import tempfile
 from collections.abc import Sequence
@@ -23,6 +24,24 @@ def rank_paths(output_dir: str | os.PathLike, rank: int) -> tuple[Path, Path]:
 def segments_path(output_dir: str | os.PathLike, rank: int) -> Path:
     """Where a CUDA target's segment CSV goes, beside the rank's JSON and CSV."""
     return Path(output_dir) / f"rank_{rank}" / f"rank_{rank}_segments.csv"
+
+
+def error_path(output_dir: str | os.PathLike, rank: int) -> Path:
+    """Where a failed run's error report goes when the rank's JSON holds a good report: beside it."""
+    return Path(output_dir) / f"rank_{rank}" / f"rank_{rank}_error.json"
+
+
+_ERROR_HEAD = re.compile(rb'\A\{\s*"schema_version":\s*(?:"[^"\\]*"|[0-9.]+),\s*"status":\s*"error"')
+"""How an error report this writer wrote begins (:func:`to_json` keeps the keys in order)."""
+
+
+def holds_error_report(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is an error report (its first bytes say so; nothing else is read)."""
+    try:
+        with open(path, "rb") as f:
+            return bool(_ERROR_HEAD.match(f.read(256)))
+    except OSError:
+        return False
 
 
 def replaceable(path: str | os.PathLike) -> None:
@@ -159,14 +178,25 @@ def write_reports(
     if segments_text is None and seg_path.exists():
         seg_path.unlink()
     write_together([*files, (json_path, text)])
+    stale = error_path(output_dir, rank)  # a failure of an earlier run, beside the good report it kept
+    if stale.exists():
+        stale.unlink()
     return [json_path, csv_path] + ([seg_path] if segments_text is not None else [])
 
 
 def write_error_report(report: dict[str, Any], output_dir: str | os.PathLike, rank: int) -> Path:
-    """The error JSON replaces the rank's report; a CSV from an earlier run would contradict it, so it goes."""
+    """A failed run's error JSON. It never replaces a good file (issue 30): where the rank's JSON holds anything but
+    an earlier error report (a good report), the error report goes beside it as ``rank_<r>_error.json`` and the good
+    report and its CSVs stay as they were. Otherwise it is the rank's JSON, and a CSV of an earlier run, which would
+    contradict it, goes (as does an error report beside)."""
     json_path, csv_path = rank_paths(output_dir, rank)
-    atomic_write(json_path, to_json(report))
-    for stale in (csv_path, segments_path(output_dir, rank)):
+    text = to_json(report)  # serialise before touching the disk: a bad value fails with nothing written
+    if os.path.lexists(json_path) and not holds_error_report(json_path):
+        beside = error_path(output_dir, rank)
+        atomic_write(beside, text)
+        return beside
+    atomic_write(json_path, text)
+    for stale in (csv_path, segments_path(output_dir, rank), error_path(output_dir, rank)):
         if stale.exists():
             stale.unlink()
     return json_path
