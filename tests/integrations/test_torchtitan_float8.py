@@ -64,12 +64,26 @@ def test_float8_runs_on_an_h100_and_is_refused_on_an_a100():
 )
 def test_the_command_refuses_on_the_gpu_it_is_given_with_exit_2(config, gpu, refused, capsys, tmp_path):
     rc, out, err = cli(
-        ["torchtitan", *config, "--gpu", gpu, "--n-layers", "1", "--output-dir", str(tmp_path), "--in-process"],
+        [
+            "torchtitan",
+            *config,
+            "--gpu",
+            gpu,
+            "--n-layers",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+            "--in-process",
+        ],
         capsys,
     )
     assert rc == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and f"gpu={gpu!r} (sm" in lines[0] and f"refused, as on the card: {refused}" in lines[0]
+    assert (
+        len(lines) == 1
+        and f"gpu={gpu!r} (sm" in lines[0]
+        and f"refused, as on the card: {refused}" in lines[0]
+    )
 
 
 def test_the_command_runs_float8_on_an_h100(capsys, tmp_path):

@@ -99,7 +99,12 @@ def cuda_rms_norm(input, normalized_shape, weight=None, eps=None):
     """``F.rms_norm`` as CUDA runs it: the fused kernel unless input is complex or the weight's dtype differs.
     Inside a region torch.compile traces, ``F.rms_norm`` itself (Inductor decomposes and fuses it; dynamo cannot
     trace the fused kernel's ``autograd.Function``, whose forward dispatches below autograd)."""
-    if not torch.compiler.is_compiling() and _plain(input, weight) and not input.is_complex() and (weight is None or weight.dtype == input.dtype):
+    if (
+        not torch.compiler.is_compiling()
+        and _plain(input, weight)
+        and not input.is_complex()
+        and (weight is None or weight.dtype == input.dtype)
+    ):
         return _FusedRMSNorm.apply(input, list(normalized_shape), weight, eps)
     return _orig_rms_norm(input, normalized_shape, weight, eps)
 
