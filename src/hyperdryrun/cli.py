@@ -80,25 +80,6 @@ def _stdout_gone() -> int:
     return EXIT_SIGPIPE
 
 
-def _open_closed_std_fds() -> None:
-    """A standard stream the shell closed (``>&-``) becomes ``/dev/null``, as if it had been redirected there: its
-    descriptor would otherwise go to the first file this process opens (a report written through ``print``, a
-    worker's output into a report), and Python's ``sys.stdout`` is ``None``. The command then does its work and its
-    exit code is its verdict; what it would have printed is discarded."""
-    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
-        try:
-            os.fstat(fd)
-            continue
-        except OSError:
-            pass
-        null = os.open(os.devnull, os.O_RDONLY if mode == "r" else os.O_WRONLY)
-        if null != fd:
-            os.dup2(null, fd)
-            os.close(null)
-        if getattr(sys, name) is None:
-            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115  (lives as long as the process)
-
-
 class _QuietOnFailure:
     """A text stream that forwards to ``stream`` until a write fails (``2>/dev/full``: ENOSPC; a closed terminal:
     EIO), then drops what follows: an error message that cannot be shown must not turn into another error and
@@ -159,15 +140,15 @@ class _StdoutGuard:
 def guarded_std_streams() -> Iterator[None]:
     """While inside, ``sys.stderr`` is :class:`_QuietOnFailure` and ``sys.stdout`` a :class:`_StdoutGuard`; the
     streams come back on exit."""
-    out, err = sys.stdout, sys.stderr
-    sys.stderr = _QuietOnFailure(err)  # type: ignore[assignment]
-    sys.stdout = _StdoutGuard(out)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.flush()
-        sys.stdout, sys.stderr = out, err
+    from hyperdryrun.compat.process import std_stream_patches
+    from hyperdryrun.patches import PatchSet
+
+    with PatchSet(std_stream_patches(_StdoutGuard(sys.stdout), _QuietOnFailure(sys.stderr))):
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
 
 
 @contextlib.contextmanager
@@ -191,8 +172,10 @@ def broken_pipe_raises() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command and return its exit code (see :mod:`hyperdryrun.commands`): what escapes a command is an
     internal error on one line, Ctrl-C and SIGTERM one line each. A closed standard stream is ``/dev/null``
-    (:func:`_open_closed_std_fds`); a stderr that cannot be written is dropped (:class:`_QuietOnFailure`)."""
-    _open_closed_std_fds()
+    (:func:`~hyperdryrun.compat.process.open_closed_std_fds`); a stderr that cannot be written is dropped (:class:`_QuietOnFailure`)."""
+    from hyperdryrun.compat.process import open_closed_std_fds
+
+    open_closed_std_fds()
     with guarded_std_streams():
         return _main(argv)
 

@@ -4,6 +4,7 @@ architecture scan, ``tests/test_architecture.py``, finds such edits anywhere els
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -40,4 +41,44 @@ def broken_pipe_patch(handler: Callable[[Any], None]) -> Patch:
     )
 
 
-__all__ = ["argv_patch", "broken_pipe_patch", "excepthook_patch"]
+def std_stream_patches(stdout: Any, stderr: Any) -> list[Patch]:
+    """``sys.stdout`` and ``sys.stderr`` replaced by wrappers of themselves (the CLI's guards): Python's print and
+    rich raise a bare ``OSError`` on a full or closed stream, and an error message that cannot be shown would turn
+    into a second error with another exit code."""
+    return [
+        Patch(
+            sys,
+            "stderr",
+            stderr,
+            "a write into a full or closed stderr raises OSError and changes the exit code",
+        ),
+        Patch(
+            sys,
+            "stdout",
+            stdout,
+            "a write into a full stdout raises an OSError indistinguishable from a file's",
+        ),
+    ]
+
+
+def open_closed_std_fds() -> None:
+    """A standard stream the shell closed (``>&-``) becomes ``/dev/null``, as if it had been redirected there: its
+    descriptor would otherwise go to the first file this process opens (a report written through ``print``, a
+    worker's output into a report), and Python's ``sys.stdout`` is ``None``. The command then does its work and its
+    exit code is its verdict; what it would have printed is discarded. Not undone: the descriptors and streams
+    live as long as the process (the CLI's entry point calls it once)."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDONLY if mode == "r" else os.O_WRONLY)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115  (lives as long as the process)
+
+
+__all__ = ["argv_patch", "broken_pipe_patch", "excepthook_patch", "open_closed_std_fds", "std_stream_patches"]

@@ -339,6 +339,9 @@ def check_snapshot_fields(data: Any, source: str) -> None:
         if id(seg) in walked:
             continue
         walked.add(id(seg))
+        for key in ("address", "total_size"):  # torch writes both; the replay and the peak key on them
+            if key not in seg:
+                raise IngestError(source, f"{where} lacks {key}")
         _fields(source, where, seg, _SEGMENT_INTS, ("segment_type",))
         blocks = seg.get("blocks", [])
         if id(blocks) in walked:
@@ -347,8 +350,8 @@ def check_snapshot_fields(data: Any, source: str) -> None:
         for j, blk in enumerate(blocks):
             bw = f"{where}.blocks[{j}]"
             _need(source, bw, blk, dict)
-            if "size" not in blk:
-                raise IngestError(source, f"{bw} lacks size")
+            if "size" not in blk or "address" not in blk:
+                raise IngestError(source, f"{bw} lacks {'size' if 'size' not in blk else 'address'}")
             _fields(source, bw, blk, _BLOCK_INTS, ("state",))
             records.append((bw, blk.get("frames")))
     for d, trace in enumerate(traces):

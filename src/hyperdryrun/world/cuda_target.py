@@ -91,6 +91,15 @@ class CudaTarget:
 
 DEFAULT_CUDA_TARGET = CudaTarget()
 
+MX_CAST_KERNELS = (
+    "triton_to_mxfp8_dim0",
+    "triton_to_mxfp8_dim1",
+    "mxfp8_quantize_cuda",
+    "triton_mx_block_rearrange",
+)
+"""torchao 0.18's MXFP8 cast kernels that ``compat/torchao.py`` stands in for (patched only where torchao's MX
+formats are loaded)."""
+
 DIFFERENCES: list[KernelDifference] = [
     KernelDifference(
         "storage allocation",
@@ -188,6 +197,16 @@ DIFFERENCES: list[KernelDifference] = [
         ("__init__", "__enter__", "__exit__", "clear_autocast_cache"),
     ),
     KernelDifference(
+        "torchao MXFP8 casts (torchao loaded)",
+        "torchao 0.18 defines its MXFP8 cast kernels only where Triton runs on an sm100 GPU: on this host they are "
+        "missing and MXFP8 training cannot run",
+        "Triton/CUDA kernels (mx_formats/kernels.py): an fp8 copy and one e8m0 scale per 32 elements, the scales "
+        "rearranged into 128 x 4 blocks",
+        "compat/torchao.py: stand-ins allocating each kernel's outputs as its fake kernel sizes them, on a b200 "
+        "target; below sm100 they refuse in one line, as the card does",
+        (*MX_CAST_KERNELS,),
+    ),
+    KernelDifference(
         "BatchNorm",
         "native_batch_norm (CPU kernel)",
         "cudnn_batch_norm: the same output and statistics bytes, plus an empty reserve tensor saved; backward "
@@ -203,6 +222,7 @@ DIFFERENCES: list[KernelDifference] = [
 __all__ = [
     "DEFAULT_CUDA_TARGET",
     "DIFFERENCES",
+    "MX_CAST_KERNELS",
     "CudaTarget",
     "KernelDifference",
     "cuda_version_text",
