@@ -48,9 +48,13 @@ def plan_of(**over) -> JobPlan:
 
 
 # ----------------------------------------------------------------------------------------------- the plan
-def test_a_plan_refuses_zero_micro_batches_naming_the_value():
-    with pytest.raises(ValueError, match=r"^num_micro_batches=0 must be >= 1$"):
-        JobPlan(two_layers, ones_batch, micro_batch_step(mean_loss, 1), num_micro_batches=0)
+@pytest.mark.parametrize(
+    ("value", "shown"), [(0, "0"), (10**400, "an integer of about 401 digits"), (2.5, "2.5"), (True, "True")]
+)
+def test_a_plan_refuses_micro_batches_out_of_bounds_naming_the_value(value, shown):
+    # 10**400 overflowed inside the step (exit 3), 2.5 and True ran (issue 30)
+    with pytest.raises(ValueError, match=rf"^num_micro_batches: must be an integer from 1 to 10,000 \(got {shown}\)$"):
+        JobPlan(two_layers, ones_batch, micro_batch_step(mean_loss, 1), num_micro_batches=value)
 
 
 def test_prepare_reaches_the_steady_state_of_step_two_on_fake_and_on_real_tensors():

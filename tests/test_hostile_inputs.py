@@ -1139,6 +1139,8 @@ def loss_fn(model, batch):
         raise KeyboardInterrupt
     if os.environ.get("MODE", "") == "loss_kill":
         os.kill(os.getpid(), 9)
+    if os.environ.get("MODE", "") == "loss_raise":
+        raise ValueError("my own bug")
     return {"loss_none": None, "loss_float": 1.0, "loss_vec": model(batch).sum(0)}.get(os.environ.get("MODE", ""), model(batch).sum())
 def optimizer_fn(params):
     return None if os.environ.get("MODE", "") == "opt_none" else torch.optim.SGD(params, lr=0.1)
@@ -1148,6 +1150,11 @@ def hyperdryrun_job(launch):
     job = dict(model_fn=model_fn, batch_fn=batch_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn)
     if os.environ.get("MODE", "") == "mesh":
         job["mesh_shape"] = (3, 5)
+    if os.environ.get("MODE", "") == "step_noop":
+        job["step_fn"] = lambda model, batches, optimizer: None
+        del job["loss_fn"]
+    if os.environ.get("MODE", "") == "nmb_huge":
+        job["num_micro_batches"] = 10**400
     if os.environ.get("MODE", "") == "tpu":
         job["target_device"] = "tpu"
     return job
@@ -1173,6 +1180,9 @@ if os.environ.get("MODE", "") == "print_top":
         ("job_exit0", ["hyperdryrun_job(launch)", "called sys.exit(0)"]),
         ("mesh", ["mesh_shape=(3, 5) has 15 ranks, world_size=1"]),
         ("tpu", ["target_device='tpu'", "--target-device"]),
+        ("loss_raise", ["loss_fn() of", "raised ValueError: my own bug (job.py:"]),
+        ("step_noop", ["the step ran no tensor operation"]),
+        ("nmb_huge", ["num_micro_batches: must be an integer from 1 to 10,000 (got an integer of about 401 digits)"]),
     ],
 )
 def test_30_6_a_callbacks_mistake_is_bad_input_naming_it(mode, needles, tmp_path, capsys, monkeypatch):

@@ -157,8 +157,11 @@ def default_init(model: nn.Module) -> None:
 
 
 def _check_micro_batches(num_micro_batches: int) -> None:
-    if num_micro_batches < 1:
-        raise ValueError(f"num_micro_batches={num_micro_batches} must be >= 1")
+    """An int (not a bool) within :data:`~hyperdryrun.bounds.MAX_MICRO_BATCHES`: 10**400 overflowed in the step, 2.5
+    and True ran (issue 30)."""
+    from hyperdryrun.bounds import MAX_MICRO_BATCHES, check_number
+
+    check_number("num_micro_batches", num_micro_batches, 1, MAX_MICRO_BATCHES, integer=True)
 
 
 def resolve_step(loss_fn: LossFn | None, step_fn: StepFn | None, num_micro_batches: int) -> StepFn:
@@ -316,6 +319,10 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
                         capture_stacks,
                     )
                 timings["step"] = time.perf_counter() - t1
+                if not tracker.task_phase:  # nothing of a training step to measure (a step_fn that returns at once)
+                    raise SimulationError(
+                        "step", user_code_error("the step ran no tensor operation: a step_fn must run the step")
+                    )
                 stages.append("trace")
                 trace = step_trace(tracker, initial)
                 trace.metadata = {**run_metadata(world, plan, optimizer), **plan.metadata}

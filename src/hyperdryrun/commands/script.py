@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -163,8 +164,9 @@ def run_script_rank(options: dict[str, Any]) -> Any:
     except BrokenPipeError:  # the script's own prints into a closed stdout (``| head``): 141, quietly
         raise
     except Exception as err:  # outside the step: in the script's loading or the reports
+        tb = "".join(traceback.format_exception(err))  # for --debug
         return RankOutcome(
-            rank, error=f"rank {rank}: {type(err).__name__}: {err}", error_kind=error_kind(err)
+            rank, error=f"rank {rank}: {type(err).__name__}: {err}", error_kind=error_kind(err), traceback=tb
         )
     outcome.trace = None
     return outcome

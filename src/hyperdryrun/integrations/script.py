@@ -428,7 +428,7 @@ class ScriptExecute:
             return self._simulate(cfg, capture_stacks, local_rank)
 
     def _simulate(self, cfg: Any, capture_stacks: bool, local_rank: int) -> Any:
-        from hyperdryrun.engine import job_plan, simulate_plan
+        from hyperdryrun.engine import SimulationError, job_plan, simulate_plan
 
         loaded = load_script(self.spec)
         world = cfg.world
@@ -468,7 +468,11 @@ class ScriptExecute:
             )
         except (TypeError, ValueError) as err:
             raise ScriptError(f"script: {loaded.label!r}: {err}") from err
-        return simulate_plan(plan, capture_stacks=capture_stacks)
+        try:
+            return simulate_plan(plan, capture_stacks=capture_stacks)
+        except SimulationError as err:
+            raise _users_own(err, loaded, (model_fn, batch_fn, *job.values())) from err.error
+
 
     def job_metadata(self, cfg: Any) -> dict[str, Any]:
         """What a report (an error report too) says about the job: the script, its mode, the layout."""
@@ -487,3 +491,30 @@ class ScriptExecute:
             },
             **({"routing": self.routing.describe()} if self.routing is not None else {}),
         }
+
+
+def _users_own(err: Any, loaded: LoadedScript, callbacks: tuple[Any, ...]) -> Any:
+    """``err`` (a :class:`~hyperdryrun.engine.SimulationError`) as bad input when the user's own code raised it:
+    the innermost frame of its traceback is in a file of the job's callbacks (``raise ValueError`` in ``loss_fn``,
+    a RecursionError of its own). An error raised inside torch (a fake tensor's limit, an operator's check) or the
+    dry run is left as it was: it may be the dry run's."""
+    from hyperdryrun.engine import SimulationError
+
+    cause = err.error
+    if isinstance(cause, ConfigError) or cause.__traceback__ is None:
+        return err
+    files = set()
+    for fn in callbacks:
+        if callable(fn):
+            with contextlib.suppress(TypeError, OSError):
+                source = inspect.getsourcefile(inspect.unwrap(fn))
+                if source:
+                    files.add(os.path.abspath(source))
+    last = traceback.extract_tb(cause.__traceback__)[-1]
+    if os.path.abspath(last.filename) not in files:
+        return err
+    where = f"{Path(last.filename).name}:{last.lineno}"
+    return SimulationError(
+        err.stage,
+        ScriptError(f"script: {last.name}() of {loaded.label!r} raised {type(cause).__name__}: {cause} ({where})"),
+    )
