@@ -75,7 +75,7 @@ class Job(Protocol):
     def with_routing(self, routing: Any, cfg: Any) -> tuple[Any, Any]: ...
 
 
-def _routing_line(spec: Any, where: str = "") -> str:
+def routing_title(spec: Any, where: str = "") -> str:
     """The title line of the routing a job's verdicts assume (:class:`~hyperdryrun.world.routing.RoutingSpec`)."""
     from hyperdryrun.world.routing import RoutingSpec
 
@@ -113,7 +113,7 @@ class RecipeJob:
         return [self.cfg.dims.degrees()]
 
     def routing_line(self) -> str | None:
-        return _routing_line(self.cfg.values) if self.cfg.model.is_moe else None
+        return routing_title(self.cfg.values) if self.cfg.model.is_moe else None
 
     def with_routing(self, routing: Any, cfg: Any) -> tuple[RecipeJob, Any]:
         """This job, and the runner's ``cfg`` (this job's config, maybe another output), under ``routing`` (a
@@ -181,7 +181,7 @@ class ScriptJob:
         return StepFacts()
 
     def routing_line(self) -> str | None:
-        return _routing_line(self.routing, " (of the layers that ask for it)")
+        return routing_title(self.routing, " (of the layers that ask for it)")
 
     def with_routing(self, routing: Any, cfg: Any) -> tuple[ScriptJob, Any]:
         return replace(self, routing=routing), cfg
@@ -255,7 +255,7 @@ class TorchtitanFrontJob:
             return None
         if self.measure and self.routing is None:
             return "MoE routing: as each router decides (measured)"
-        return _routing_line(self.routing, " (forced on the routers)" if self.measure else "")
+        return routing_title(self.routing, " (forced on the routers)" if self.measure else "")
 
     def with_routing(self, routing: Any, cfg: Any) -> tuple[TorchtitanFrontJob, Any]:
         return replace(self, routing=routing), cfg

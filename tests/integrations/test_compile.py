@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 import torch
 import torch._dynamo.eval_frame as eval_frame
+import torch._dynamo.pgo as pgo
 import torch._functorch.config as functorch_config
 import torch._inductor.compile_fx as compile_fx_module
 import torch._inductor.config as inductor_config
@@ -153,6 +154,7 @@ def _globals() -> dict:
         "compile_fx": (compile_fx_module.compile_fx, compile_fx_module.min_cut_rematerialization_partition),
         "configs": (functorch_config.save_config(), inductor_config.save_config()),
         "cache_entries": len(_debug_get_cache_entry_list(chain.__code__)),
+        "code_state": (pgo._CODE_STATE, pgo._INIT_CODE_STATE),
         "flex": {
             name: getattr(flex_module, name)
             for name in (
@@ -205,6 +207,35 @@ def test_simulation_restores_the_compiler_and_flex_globals(fails):
         assert any(x.startswith(f"torch.compile region {__name__}.chain") for x in trace.limitations)
     assert _globals() == before
     assert before["cache_entries"] == 0  # dynamo's cache of the compiled code is as before the dry run
+
+
+def test_a_second_simulation_compiles_its_own_shapes_not_symbolic_ones():
+    """dynamo recompiles a frame seen with other sizes with those sizes symbolic (automatic dynamic shapes); a
+    dry run at batch 16 after one at batch 8 traces the graph a fresh process would: static shapes, saving the
+    matmul's output and cos's, 2 x 16 x 256 fp32 (see the test above for the partition)."""
+    graphs: list[torch.fx.GraphModule] = []
+    original = compile_fx_module.compile_fx
+
+    def compile_fx(gm, example_inputs, *args, **kwargs):
+        graphs.append(gm)
+        return original(gm, example_inputs, *args, **kwargs)
+
+    def run(batch):
+        return hyperdryrun.simulate(
+            lambda: Model(False, inductor_chain),
+            lambda i, device: torch.randn(batch, DIM, device=device),
+            loss_fn=lambda model, x: model(x).sum(),
+            capture_stacks=False,
+            target_device="cpu",
+        )
+
+    with mock.patch.object(compile_fx_module, "compile_fx", compile_fx):
+        run(8)
+        trace = run(16)
+    symbolic = [n for gm in graphs for n in gm.graph.nodes if isinstance(n.meta.get("example_value"), torch.SymInt)]
+    assert len(graphs) == 2 and not symbolic
+    (line,) = [x for x in trace.limitations if x.startswith(f"torch.compile region {__name__}.chain")]
+    assert f"({2 * 16 * 4 * DIM * 4} B; {3 * 16 * 4 * DIM * 4} B with no recomputation)" in line
 
 
 def broken_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

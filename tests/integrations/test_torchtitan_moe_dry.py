@@ -86,7 +86,7 @@ def test_routing_from_a_file_that_is_no_measured_moe_report_is_a_one_line_error(
     lines = done.stderr.strip().splitlines()
     assert (
         len(lines) == 1
-        and lines[0].startswith("hyperdryrun: error: --routing-from: ")
+        and lines[0].startswith("hyperdryrun: error: values.routing_from (--routing-from): ")
         and str(bad) in lines[0]
     )
 

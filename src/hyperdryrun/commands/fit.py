@@ -481,12 +481,10 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
         f"({job.capacity_bytes / 2**30:.2f} GiB each) · global batch {job.global_batch_seqs * seq:,} tokens "
         f"({job.global_batch_seqs} x {seq})"
     )
-    values = job.base.get("values") or {}
-    if build_config({"model": job.base["model"]}).model.is_moe:
-        from hyperdryrun.world.routing import RoutingSpec
+    if job.base.model.is_moe:
+        from hyperdryrun.jobs import routing_title
 
-        spec = RoutingSpec.model_validate({k: v for k, v in values.items() if k != "rules"})
-        console.print(f"MoE routing: {spec.describe()}", soft_wrap=True)
+        console.print(routing_title(job.base.values), soft_wrap=True)
     skipped = f" · {c['skipped']} not needed (--top {job.top})" if c["skipped"] else ""
     console.print(
         f"candidates: {c['enumerated']} enumerated · {c['invalid']} invalid · {c['pruned']} pruned · "

@@ -3,6 +3,7 @@ release: what the world patches to see which compiled regions ran and to give it
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
@@ -156,16 +157,35 @@ def forget_code(code: Any) -> None:
     reset_code(code)
 
 
+def fresh_code_state_patches() -> list[Patch]:
+    """dynamo's automatic-dynamic state empty for a simulation and put back after it.
+
+    torch 2.11 to 2.15 ``torch/_dynamo/pgo.py``: ``_CODE_STATE`` remembers, per code (file, first line, name: it
+    outlives :func:`forget_code`), the shapes each frame was compiled for, and a frame seen again with other sizes
+    is recompiled with those dimensions symbolic. A second simulation in one process (another sequence length, or
+    batch) would then compile other graphs than the job's own, which sees each shape once."""
+    import torch._dynamo.pgo as pgo
+
+    reason = "dynamo's automatic dynamic shapes carry shapes seen in one simulation into the next"
+    return [
+        Patch(pgo, "_CODE_STATE", collections.defaultdict(pgo.CodeState), reason),
+        Patch(pgo, "_INIT_CODE_STATE", collections.defaultdict(pgo.CodeState), reason),
+    ]
+
+
 @contextlib.contextmanager
 def no_compile_caches() -> Iterator[None]:
-    """AOTAutograd's and Inductor's on-disk caches off (a dry run's graphs must not be stored or loaded as
+    """AOTAutograd's and Inductor's on-disk caches and dynamo's shape profiles off (a dry run's graphs must not be stored or loaded as
     compiled code); torch's config patch contexts put the values back on exit."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
+    import torch._dynamo.config as dynamo_config
+
     with (
         functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False),
         inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False),
+        dynamo_config.patch(automatic_dynamic_local_pgo=False, automatic_dynamic_remote_pgo=False),
     ):
         yield
 

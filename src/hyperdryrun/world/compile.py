@@ -80,8 +80,17 @@ def storage_bytes(values: list[Any], inputs: list[Any] = ()) -> int:
     for v in values:
         if isinstance(v, torch.Tensor) and id(v.untyped_storage()) not in skip:
             storage = v.untyped_storage()
-            seen[id(storage)] = storage.nbytes()
+            seen[id(storage)] = _concrete(storage.nbytes())
     return sum(seen.values())
+
+
+def _concrete(n: int | torch.SymInt) -> int:
+    """``n`` as an int: a traced graph with dynamic shapes has symbolic sizes, whose hint is this call's value
+    (``int()`` on a backed symbol would add a guard to the graph)."""
+    if isinstance(n, torch.SymInt):
+        hint = n.node.hint
+        return int(hint) if hint is not None else int(n)
+    return int(n)
 
 
 class GraphRun(torch.fx.Interpreter):
@@ -146,6 +155,7 @@ class CompiledCode:
         self._stack = stack
         try:
             stack.callback(self._forget_codes)
+            stack.enter_context(PatchSet(torch_compile.fresh_code_state_patches()))
             stack.enter_context(torch.compiler.set_stance("force_eager"))
             stack.enter_context(PatchSet([self._recording_patch(eval_frame)]))
             stack.enter_context(
