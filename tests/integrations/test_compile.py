@@ -232,7 +232,9 @@ def test_a_second_simulation_compiles_its_own_shapes_not_symbolic_ones():
     with mock.patch.object(compile_fx_module, "compile_fx", compile_fx):
         run(8)
         trace = run(16)
-    symbolic = [n for gm in graphs for n in gm.graph.nodes if isinstance(n.meta.get("example_value"), torch.SymInt)]
+    symbolic = [
+        n for gm in graphs for n in gm.graph.nodes if isinstance(n.meta.get("example_value"), torch.SymInt)
+    ]
     assert len(graphs) == 2 and not symbolic
     (line,) = [x for x in trace.limitations if x.startswith(f"torch.compile region {__name__}.chain")]
     assert f"({2 * 16 * 4 * DIM * 4} B; {3 * 16 * 4 * DIM * 4} B with no recomputation)" in line

@@ -177,10 +177,9 @@ def fresh_code_state_patches() -> list[Patch]:
 def no_compile_caches() -> Iterator[None]:
     """AOTAutograd's and Inductor's on-disk caches and dynamo's shape profiles off (a dry run's graphs must not be stored or loaded as
     compiled code); torch's config patch contexts put the values back on exit."""
+    import torch._dynamo.config as dynamo_config
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
-
-    import torch._dynamo.config as dynamo_config
 
     with (
         functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False),
