@@ -319,9 +319,12 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
                         capture_stacks,
                     )
                 timings["step"] = time.perf_counter() - t1
-                if not tracker.task_phase:  # nothing of a training step to measure (a step_fn that returns at once)
+                if (
+                    not tracker.task_phase
+                ):  # nothing of a training step to measure (a step_fn that returns at once)
                     raise SimulationError(
-                        "step", user_code_error("the step ran no tensor operation: a step_fn must run the step")
+                        "step",
+                        user_code_error("the step ran no tensor operation: a step_fn must run the step"),
                     )
                 stages.append("trace")
                 trace = step_trace(tracker, initial)

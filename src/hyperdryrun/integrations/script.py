@@ -473,7 +473,6 @@ class ScriptExecute:
         except SimulationError as err:
             raise _users_own(err, loaded, (model_fn, batch_fn, *job.values())) from err.error
 
-
     def job_metadata(self, cfg: Any) -> dict[str, Any]:
         """What a report (an error report too) says about the job: the script, its mode, the layout."""
         from hyperdryrun.version import __version__
@@ -516,5 +515,7 @@ def _users_own(err: Any, loaded: LoadedScript, callbacks: tuple[Any, ...]) -> An
     where = f"{Path(last.filename).name}:{last.lineno}"
     return SimulationError(
         err.stage,
-        ScriptError(f"script: {last.name}() of {loaded.label!r} raised {type(cause).__name__}: {cause} ({where})"),
+        ScriptError(
+            f"script: {last.name}() of {loaded.label!r} raised {type(cause).__name__}: {cause} ({where})"
+        ),
     )
