@@ -234,3 +234,50 @@ def test_the_console_summary_shows_each_compiled_regions_line():
     assert (
         "(16384 B; 24576 B with no recomputation); recomputed in backward: aten.relu x1, aten.sin x1" in text
     )
+
+
+B, H, S, HD = 2, 4, 128, 16  # bf16 causal attention, head_dim 16: cuDNN's on the default sm90 target
+
+
+def attention(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    q, k, v = (x @ w).view(B, S, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(H * HD, 3 * H * HD, dtype=torch.bfloat16))
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.w)
+
+
+def test_compiled_attention_on_a_cuda_target_compiles_whole_with_the_cuda_backend():
+    """The dry run's CUDA SDPA choice inside a compiled region: dynamo cannot trace the choice (a builtin it skips),
+    so every compiled attention block ran eagerly on a CUDA target; the choice is now a constant of the graph and
+    the graph calls the fused op CUDA's composite would (cuDNN first on sm90 for bf16, as eagerly)."""
+
+    def run(fn):
+        return hyperdryrun.simulate(
+            lambda: AttentionBlock(fn),
+            lambda i, device: torch.randn(B, S, H * HD, device=device, dtype=torch.bfloat16),
+            loss_fn=lambda model, x: model(x).float().sum(),
+            capture_stacks=False,
+        )
+
+    eager, compiled = run(attention), run(torch.compile(attention))
+    text = "\n".join(compiled.limitations)
+    assert "compiled by torch" in text and "ran eagerly" not in text
+    forward = []
+    for trace in (eager, compiled):
+        ops = {b.op for b in trace.blocks}
+        assert (
+            "_scaled_dot_product_cudnn_attention" in ops
+            and "_scaled_dot_product_cudnn_attention_backward" in ops
+        )
+        forward.append(sorted(b.size for b in trace.blocks if b.op == "_scaled_dot_product_cudnn_attention"))
+    # cuDNN's forward, as the eager kernel model (audited against torch's CUDA build) has it: the output (B, H, S,
+    # HD) bf16, one fp32 logsumexp per row (B, H, S, 1) and the philox seed and offset (one 512 B block each)
+    assert forward[0] == forward[1] == sorted([B * H * S * HD * 2, B * H * S * 4, 512, 512])

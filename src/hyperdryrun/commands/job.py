@@ -150,6 +150,11 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
         "model|builtin|chunked: the model's own (default; hf: models: labels= through HF's loss_function), the "
         "built-in fp32 cross entropy, or torchtitan's ChunkedLossWrapper (head and loss per chunk)",
     ),
+    "--compile": (
+        "training.compile",
+        _BOOL,
+        "compile each transformer block with torch.compile (Inductor), as torchtitan's --compile.enable does",
+    ),
     "--loss-chunks": (
         "training.loss_chunks",
         int,
