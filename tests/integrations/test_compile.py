@@ -281,3 +281,29 @@ def test_compiled_attention_on_a_cuda_target_compiles_whole_with_the_cuda_backen
     # cuDNN's forward, as the eager kernel model (audited against torch's CUDA build) has it: the output (B, H, S,
     # HD) bf16, one fp32 logsumexp per row (B, H, S, 1) and the philox seed and offset (one 512 B block each)
     assert forward[0] == forward[1] == sorted([B * H * S * HD * 2, B * H * S * 4, 512, 512])
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "hf:qwen2.5-7b"])
+def test_run_compile_compiles_every_decoder_block_of_the_preset_or_hf_model(model, tmp_path, capsys):
+    """``run --compile``: each decoder block compiled as torchtitan's apply_compile does, for the built-in preset
+    (``model.layers``) and an HF model (``model.model.layers``, which raised AttributeError before), none eager."""
+    from hyperdryrun.cli import main
+
+    argv = [
+        "run",
+        "--model",
+        model,
+        "--n-layers",
+        "2",
+        "--seq-len",
+        "128",
+        "--world-size",
+        "2",
+        "--dp-shard",
+        "2",
+    ]
+    assert main([*argv, "--compile", "--no-stacks", "--output-dir", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    block = "DecoderLayer" if model.startswith("hf:") else "TransformerBlock"
+    assert out.count("torch.compile region") == 1 and f"{block} module: compiled by torch" in out
+    assert "ran eagerly" not in out
