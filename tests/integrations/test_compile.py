@@ -307,3 +307,34 @@ def test_run_compile_compiles_every_decoder_block_of_the_preset_or_hf_model(mode
     block = "DecoderLayer" if model.startswith("hf:") else "TransformerBlock"
     assert out.count("torch.compile region") == 1 and f"{block} module: compiled by torch" in out
     assert "ran eagerly" not in out
+
+
+def test_accuracy_md_s_compiled_against_eager_figures_are_what_run_prints(tmp_path):
+    """docs/ACCURACY.md's llama3-8b FSDP 8 figures: the eager and the --compile peak, the partitioner's saved bytes."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from hyperdryrun.cli import build_parser
+    from hyperdryrun.commands.job import job_from_args
+    from hyperdryrun.recipe import run_job
+
+    text = " ".join((Path(__file__).parents[2] / "docs" / "ACCURACY.md").read_text().split())
+    found = re.search(
+        r"Compiled against eager\*\* \(`(run [^`]+)`, no activation checkpointing\): peak ([\d.]+) GiB eager, "
+        r"([\d.]+) GiB with `--compile` \(the partitioner saves ([\d,]+) B per block for backward where no "
+        r"recomputation would save ([\d,]+) B\)",
+        text,
+    )
+    assert found, "the figure's sentence moved"
+    command, eager_gib, compiled_gib, saved, unrecomputed = found.groups()
+    peaks, lines = [], []
+    for extra in ([], ["--compile"]):
+        args = build_parser().parse_args([*shlex.split(command), *extra, "--output-dir", str(tmp_path)])
+        trace = run_job(job_from_args(args, {}), capture_stacks=False)
+        peaks.append(f"{trace.peak / 2**30:.2f}")
+        lines += [line for line in trace.limitations if "torch.compile region" in line]
+    assert peaks == [eager_gib, compiled_gib]
+    assert (
+        f"({saved.replace(',', '')} B; {unrecomputed.replace(',', '')} B with no recomputation)" in lines[0]
+    )
