@@ -53,7 +53,9 @@ def plan_of(**over) -> JobPlan:
 )
 def test_a_plan_refuses_micro_batches_out_of_bounds_naming_the_value(value, shown):
     # 10**400 overflowed inside the step (exit 3), 2.5 and True ran (issue 30)
-    with pytest.raises(ValueError, match=rf"^num_micro_batches: must be an integer from 1 to 10,000 \(got {shown}\)$"):
+    with pytest.raises(
+        ValueError, match=rf"^num_micro_batches: must be an integer from 1 to 10,000 \(got {shown}\)$"
+    ):
         JobPlan(two_layers, ones_batch, micro_batch_step(mean_loss, 1), num_micro_batches=value)
 
 

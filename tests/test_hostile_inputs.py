@@ -1182,7 +1182,10 @@ if os.environ.get("MODE", "") == "print_top":
         ("tpu", ["target_device='tpu'", "--target-device"]),
         ("loss_raise", ["loss_fn() of", "raised ValueError: my own bug (job.py:"]),
         ("step_noop", ["the step ran no tensor operation"]),
-        ("nmb_huge", ["num_micro_batches: must be an integer from 1 to 10,000 (got an integer of about 401 digits)"]),
+        (
+            "nmb_huge",
+            ["num_micro_batches: must be an integer from 1 to 10,000 (got an integer of about 401 digits)"],
+        ),
     ],
 )
 def test_30_6_a_callbacks_mistake_is_bad_input_naming_it(mode, needles, tmp_path, capsys, monkeypatch):
