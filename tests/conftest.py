@@ -82,6 +82,8 @@ SLOW_TESTS = frozenset(
         "tests/integrations/test_child.py::test_a_segmentation_fault_is_named_by_its_signal",
         "tests/integrations/test_compile.py::test_inductor_region_saves_for_backward_what_a_real_compiled_step_saves",
         "tests/integrations/test_compile.py::test_region_with_another_backend_runs_eagerly_with_the_eager_bytes_and_a_limitation",
+        "tests/integrations/test_compile.py::test_run_compile_compiles_every_decoder_block_of_the_preset_or_hf_model",
+        "tests/integrations/test_compile.py::test_accuracy_md_s_compiled_against_eager_figures_are_what_run_prints",
         "tests/integrations/test_flex.py::test_compiled_block_mask_allocates_only_the_block_mask_tensors",
         "tests/integrations/test_flex.py::test_flex_forward_outputs_and_saved_tensors",
         "tests/integrations/test_flex.py::test_selective_checkpointing_saves_or_recomputes_the_flex_call",

@@ -16,6 +16,7 @@ from hyperdryrun.compat.torch_pipelining import receive_buffer
 from hyperdryrun.compat.versions import installed_version, torch_version
 from hyperdryrun.config import JobConfig
 from hyperdryrun.engine import JobPlan, StepTrace, micro_batch_step, simulate_plan
+from hyperdryrun.models import hf
 from hyperdryrun.models.hf import is_hf_name
 from hyperdryrun.models.llama import cross_entropy_loss
 from hyperdryrun.parallel.context import ContextParallelStep
@@ -286,7 +287,8 @@ def parallelize(cfg: JobConfig):
     def compiled(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
         # torchtitan 0.3.0 apply_compile: each transformer block's Module.compile(fullgraph=True)
         model = fn(model, mesh, dims, options) or model
-        for block in model.layers.children():
+        blocks = hf.decoder_layers(model) if is_hf_name(cfg.model.name) else model.layers
+        for block in blocks.children():
             block.compile(fullgraph=True)
         return model
 

@@ -211,3 +211,12 @@ def test_ci_tests_every_other_supported_release():
     assert low_major == high_major
     minors = sorted(versions.release(v) for v in [*listed.split(), pin])
     assert minors == [(low_major, m) for m in range(low, high + 1)]
+
+
+def test_the_readme_and_pyproject_state_the_supported_range():
+    """The range a user reads (README) and the one pip enforces (pyproject) are :data:`SUPPORTED_TORCH`'s."""
+    (low_major, low), (high_major, high) = versions.SUPPORTED_TORCH
+    requirement = f"torch>={low_major}.{low},<{high_major}.{high + 1}"
+    assert f'"{requirement}"' in (ROOT / "pyproject.toml").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert f"supports torch {low_major}.{low} to {high_major}.{high} (`{requirement}`" in readme

@@ -267,3 +267,107 @@ def test_the_console_summary_shows_each_compiled_regions_line():
     assert (
         "(16384 B; 24576 B with no recomputation); recomputed in backward: aten.relu x1, aten.sin x1" in text
     )
+
+
+B, H, S, HD = 2, 4, 128, 16  # bf16 causal attention, head_dim 16: cuDNN's on the default sm90 target
+
+
+def attention(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    q, k, v = (x @ w).view(B, S, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(H * HD, 3 * H * HD, dtype=torch.bfloat16))
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.w)
+
+
+def test_compiled_attention_on_a_cuda_target_compiles_whole_with_the_cuda_backend():
+    """The dry run's CUDA SDPA choice inside a compiled region: dynamo cannot trace the choice (a builtin it skips),
+    so every compiled attention block ran eagerly on a CUDA target; the choice is now a constant of the graph and
+    the graph calls the fused op CUDA's composite would (cuDNN first on sm90 for bf16, as eagerly)."""
+
+    def run(fn):
+        return hyperdryrun.simulate(
+            lambda: AttentionBlock(fn),
+            lambda i, device: torch.randn(B, S, H * HD, device=device, dtype=torch.bfloat16),
+            loss_fn=lambda model, x: model(x).float().sum(),
+            capture_stacks=False,
+        )
+
+    eager, compiled = run(attention), run(torch.compile(attention))
+    text = "\n".join(compiled.limitations)
+    assert "compiled by torch" in text and "ran eagerly" not in text
+    forward = []
+    for trace in (eager, compiled):
+        ops = {b.op for b in trace.blocks}
+        assert (
+            "_scaled_dot_product_cudnn_attention" in ops
+            and "_scaled_dot_product_cudnn_attention_backward" in ops
+        )
+        forward.append(sorted(b.size for b in trace.blocks if b.op == "_scaled_dot_product_cudnn_attention"))
+    # cuDNN's forward, as the eager kernel model (audited against torch's CUDA build) has it: the output (B, H, S,
+    # HD) bf16, one fp32 logsumexp per row (B, H, S, 1) and the philox seed and offset (one 512 B block each)
+    assert forward[0] == forward[1] == sorted([B * H * S * HD * 2, B * H * S * 4, 512, 512])
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "hf:qwen2.5-7b"])
+def test_run_compile_compiles_every_decoder_block_of_the_preset_or_hf_model(model, tmp_path, capsys):
+    """``run --compile``: each decoder block compiled as torchtitan's apply_compile does, for the built-in preset
+    (``model.layers``) and an HF model (``model.model.layers``, which raised AttributeError before), none eager."""
+    from hyperdryrun.cli import main
+
+    argv = [
+        "run",
+        "--model",
+        model,
+        "--n-layers",
+        "2",
+        "--seq-len",
+        "128",
+        "--world-size",
+        "2",
+        "--dp-shard",
+        "2",
+    ]
+    assert main([*argv, "--compile", "--no-stacks", "--output-dir", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    block = "DecoderLayer" if model.startswith("hf:") else "TransformerBlock"
+    assert out.count("torch.compile region") == 1 and f"{block} module: compiled by torch" in out
+    assert "ran eagerly" not in out
+
+
+def test_accuracy_md_s_compiled_against_eager_figures_are_what_run_prints(tmp_path):
+    """docs/ACCURACY.md's llama3-8b FSDP 8 figures: the eager and the --compile peak, the partitioner's saved bytes."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from hyperdryrun.cli import build_parser
+    from hyperdryrun.commands.job import job_from_args
+    from hyperdryrun.recipe import run_job
+
+    text = " ".join((Path(__file__).parents[2] / "docs" / "ACCURACY.md").read_text().split())
+    found = re.search(
+        r"Compiled against eager\*\* \(`(run [^`]+)`, no activation checkpointing\): peak ([\d.]+) GiB eager, "
+        r"([\d.]+) GiB with `--compile` \(the partitioner saves ([\d,]+) B per block for backward where no "
+        r"recomputation would save ([\d,]+) B\)",
+        text,
+    )
+    assert found, "the figure's sentence moved"
+    command, eager_gib, compiled_gib, saved, unrecomputed = found.groups()
+    peaks, lines = [], []
+    for extra in ([], ["--compile"]):
+        args = build_parser().parse_args([*shlex.split(command), *extra, "--output-dir", str(tmp_path)])
+        trace = run_job(job_from_args(args, {}), capture_stacks=False)
+        peaks.append(f"{trace.peak / 2**30:.2f}")
+        lines += [line for line in trace.limitations if "torch.compile region" in line]
+    assert peaks == [eager_gib, compiled_gib]
+    assert (
+        f"({saved.replace(',', '')} B; {unrecomputed.replace(',', '')} B with no recomputation)" in lines[0]
+    )

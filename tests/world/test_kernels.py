@@ -301,3 +301,40 @@ def test_a_tensor_and_sequence_parallel_block_saves_what_the_cuda_kernels_save_d
     assert sum(nbytes for _, _, nbytes in saved) == 6_464 + 20_480 + 3_072 + 19_216 + 4_096 + 6_464 + 86_016
     assert [s for s in saved if s[1] == torch.float32 and s[0][-1] == 64] == []
     assert [s for s in saved if s[0] == (2, 24, 1)] == [((2, 24, 1), torch.float32, 192)] * 2
+
+
+def test_an_out_kernel_without_a_meta_kernel_writes_into_out_instead_of_running_for_real(monkeypatch):
+    """``aten._scaled_mm.out`` (Inductor's extern call for a compiled float8 GEMM) has no Meta kernel, so
+    FakeTensorMode ran its real CPU kernel on zero-filled tensors of the full size (``run_fallback_kernel``): a
+    405B float8 step took minutes per layer. On a CUDA target it returns ``out`` and allocates nothing."""
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    import hyperdryrun
+
+    def no_real_kernel(*args, **kwargs):
+        raise AssertionError("a real kernel ran on the fake tensors")
+
+    monkeypatch.setattr(fake_tensor, "run_fallback_kernel", no_real_kernel)
+    n = 64
+
+    class Float8Gemm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(n, n, dtype=torch.bfloat16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            one = torch.ones((), device=x.device)
+            out = torch.empty(n, n, dtype=torch.bfloat16, device=x.device)
+            a, b = x.to(torch.float8_e4m3fn), self.w.detach().to(torch.float8_e4m3fn).t()
+            torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, out=out)
+            return out.float().sum() + self.w.float().sum()
+
+    trace = hyperdryrun.simulate(
+        Float8Gemm,
+        lambda i, device: torch.randn(n, n, device=device, dtype=torch.bfloat16),
+        loss_fn=lambda model, x: model(x),
+        capture_stacks=False,
+    )
+    assert not [b for b in trace.blocks if b.op.startswith("_scaled_mm")]
+    # what the forward allocated around it: the ones scalar, out (n x n bf16), the two fp8 copies (n x n bytes)
+    assert {b.op for b in trace.blocks if b.size == n * n * 2} >= {"empty"}

@@ -150,6 +150,11 @@ RUN_FLAGS: dict[str, tuple[str, Any, str]] = {
         "model|builtin|chunked: the model's own (default; hf: models: labels= through HF's loss_function), the "
         "built-in fp32 cross entropy, or torchtitan's ChunkedLossWrapper (head and loss per chunk)",
     ),
+    "--compile": (
+        "training.compile",
+        _BOOL,
+        "compile each transformer block with torch.compile (Inductor), as torchtitan's --compile.enable does",
+    ),
     "--loss-chunks": (
         "training.loss_chunks",
         int,
@@ -234,6 +239,23 @@ ROUTING_FLAGS = (
     "--capacity-factor",
 )
 """The MoE routing flags (:class:`hyperdryrun.world.routing.RoutingSpec`), the same on every front door."""
+
+
+def add_many_ranks_flags(parser: Any, all_ranks: str) -> None:
+    """``--ranks``, ``--all-ranks`` (``all_ranks``: what makes a rank class of this front door's job) and
+    ``--jobs``, the same on every front door."""
+    parser.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
+    parser.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help=f"every rank of the world: one simulated per rank class ({all_ranks})",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes in parallel for --ranks/--all-ranks/--fit (default: cores)",
+    )
 
 
 def add_skew_table_flag(parser: Any) -> None:

@@ -8,7 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail
-from hyperdryrun.commands.job import add_job_arguments, add_skew_table_flag, job_from_args, print_warnings
+from hyperdryrun.commands.job import (
+    add_job_arguments,
+    add_many_ranks_flags,
+    add_skew_table_flag,
+    job_from_args,
+    print_warnings,
+)
 from hyperdryrun.commands.preflight import check_output_file, check_rank_outputs, job_inputs
 from hyperdryrun.config import ConfigError
 
@@ -22,15 +28,7 @@ def register(subparsers: Any) -> None:
         "--device-memory-gib, 2: bad input, 3: internal error, 130/143: interrupted (SIGINT/SIGTERM).",
     )
     add_job_arguments(p)
-    p.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
-    p.add_argument(
-        "--all-ranks",
-        action="store_true",
-        help="every rank of the world: one simulated per rank class (ranks with provably the same memory)",
-    )
-    p.add_argument(
-        "--jobs", type=int, default=None, help="processes in parallel with --ranks (default: cores)"
-    )
+    add_many_ranks_flags(p, "ranks with provably the same memory")
     p.add_argument("--no-stacks", action="store_true", help="do not capture Python stacks (faster)")
     p.add_argument("--quiet", action="store_true", help="print only the peak line")
     add_skew_table_flag(p)

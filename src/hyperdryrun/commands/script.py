@@ -28,6 +28,7 @@ from hyperdryrun.commands.job import (
     _dest,
     _set,
     add_flags,
+    add_many_ranks_flags,
     add_skew_table_flag,
     merge_rank_identity,
     naming_flag,
@@ -76,14 +77,7 @@ def register(subparsers: Any) -> None:
     add_flags(p, SCRIPT_FLAGS)
     add_flags(p, ROUTING_FLAGS)
     add_skew_table_flag(p)
-    p.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
-    p.add_argument(
-        "--all-ranks",
-        action="store_true",
-        help="every rank of the world: one simulated per rank class (the job's rank_class; without one, "
-        "every rank)",
-    )
-    p.add_argument("--jobs", type=int, default=None, help="processes in parallel (default: cores)")
+    add_many_ranks_flags(p, "the job's rank_class; without one, every rank")
     p.add_argument(
         "--fit",
         action="store_true",

@@ -16,6 +16,7 @@ from hyperdryrun.commands.job import (
     ROUTING_FLAGS,
     TARGET_FLAGS,
     add_flags,
+    add_many_ranks_flags,
     add_skew_table_flag,
     flag_data,
     routing_from_args,
@@ -82,15 +83,10 @@ def register(subparsers: Any) -> None:
     add_flags(p, ROUTING_FLAGS)
     add_skew_table_flag(p)
     p.add_argument("--output-dir", default=_DEFAULTS["output_dir"].default, help="where rank_<r>/ goes")
-    p.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
-    p.add_argument(
-        "--all-ranks",
-        action="store_true",
-        help="every rank of the world: one simulated per rank class (ranks of the same pipeline stage and "
-        "context-parallel position whose parameter shards have the same shapes); writes rank_classes.json",
-    )
-    p.add_argument(
-        "--jobs", type=int, help="processes in parallel for --ranks/--all-ranks/--fit (default: cores)"
+    add_many_ranks_flags(
+        p,
+        "ranks of the same pipeline stage and context-parallel position whose parameter shards have the same "
+        "shapes; writes rank_classes.json",
     )
     p.add_argument(
         "--fit",

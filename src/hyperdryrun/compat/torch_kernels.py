@@ -133,6 +133,13 @@ OUTPUT_FIXUPS = {
 branches of torch 2.13's ``torch/_refs`` and ``torch/_decomp``): the simulation returns the CUDA outputs."""
 
 
+OUT_WITHOUT_META = frozenset({_aten._scaled_mm.out})
+"""``out=`` overloads with no Meta kernel in torch 2.11 to 2.15 (``_scaled_mm.out``, which Inductor's generated code
+calls for a compiled float8 GEMM as ``extern_kernels._scaled_mm(..., out=buf)``): FakeTensorMode runs such an op's
+real CPU kernel on zero-filled tensors of the full size (``run_fallback_kernel``), minutes for one 405B layer. The
+kernel writes into ``out`` and allocates nothing, so the simulation returns ``out``."""
+
+
 def _foreach_devices(simulation_device: str):
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 

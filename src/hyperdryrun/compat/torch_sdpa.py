@@ -221,6 +221,49 @@ def _preprocess_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> to
     return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
+def _spec(x: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """What the backend checks read of a tensor, as Python constants: shape, stride, dtype, requires_grad. The
+    storage offset is taken as 0: dynamo cannot read it (an int from a torch call), and inside a compiled region the
+    layout of an intermediate is Inductor's to choose (its fallback for a fused attention op copies an unaligned
+    input)."""
+    if x is None:
+        return None
+    return (tuple(x.shape), tuple(x.stride()), 0, x.dtype, x.requires_grad)
+
+
+def _meta(spec: tuple[Any, ...] | None) -> torch.Tensor | None:
+    """A meta tensor with ``spec``'s metadata (no memory)."""
+    if spec is None:
+        return None
+    shape, stride, offset, dtype, requires_grad = spec
+    extent = (
+        offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if all(shape) else offset
+    )
+    t = torch.empty(max(extent, 1), dtype=dtype, device="meta").as_strided(shape, stride, offset)
+    return t.requires_grad_() if requires_grad else t
+
+
+@torch.compiler.assume_constant_result
+def _compiled_backend(
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+    target: Any,
+    grad: bool,
+) -> str:
+    """:func:`cuda_sdpa_backend` of tensors described by :func:`_spec`: dynamo cannot trace the choice itself
+    (``torch._C._get_sdp_priority_order`` is a builtin it skips, which broke every compiled attention block into
+    eager frames), so it calls this at trace time and keeps the answer as a constant of the graph."""
+    with torch.set_grad_enabled(grad):
+        return cuda_sdpa_backend(
+            _meta(q), _meta(k), _meta(v), _meta(mask), dropout_p, is_causal, enable_gqa, target
+        )
+
+
 def cuda_scaled_dot_product_attention(
     query,
     key,
@@ -233,9 +276,27 @@ def cuda_scaled_dot_product_attention(
     *,
     target: Any,
 ):
-    """``F.scaled_dot_product_attention`` as torch 2.13's ``attention.cpp`` runs it on ``target``."""
-    backend = cuda_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, target)
-    requires_lse = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    """``F.scaled_dot_product_attention`` as torch 2.13's ``attention.cpp`` runs it on ``target``. Inside a region
+    torch.compile traces, the backend is chosen from the tensors' metadata as a constant of the graph
+    (:func:`_compiled_backend`), so that dynamo puts the chosen fused op in the graph, as the CUDA composite does when
+    AOTAutograd decomposes it."""
+    if torch.compiler.is_compiling():
+        backend = _compiled_backend(
+            _spec(query),
+            _spec(key),
+            _spec(value),
+            _spec(attn_mask),
+            dropout_p,
+            is_causal,
+            enable_gqa,
+            target,
+            torch.is_grad_enabled(),
+        )
+    else:
+        backend = cuda_sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, target)
+    requires_lse = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+    )
     if backend == "cudnn":
         mask = _bool_to_additive(attn_mask, query.dtype, cudnn=True)
         return _aten._scaled_dot_product_cudnn_attention(

@@ -30,11 +30,12 @@ from hyperdryrun.world.sdpa import cuda_scaled_dot_product_attention, cuda_sdpa_
 
 class TargetFakeTensorMode(TrackingFakeTensorMode):
     """The tracking fake mode, with the outputs of ``OUTPUT_FIXUPS`` ops replaced by the CUDA kernel's (the
-    replacement is what the tracker and autograd see: it is recorded as the op's own outputs)."""
+    replacement is what the tracker and autograd see: it is recorded as the op's own outputs), and the ``out=``
+    kernels without a Meta kernel (``OUT_WITHOUT_META``) returning ``out`` instead of running for real."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         fix = OUTPUT_FIXUPS.get(func)
-        if fix is None:
+        if fix is None and func not in torch_kernels.OUT_WITHOUT_META:
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         tracker = self.tracker
@@ -43,7 +44,10 @@ class TargetFakeTensorMode(TrackingFakeTensorMode):
             tracker.begin_op()
         out = None
         try:
-            out = fix(args, kwargs, FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs))
+            if fix is None:  # an out= kernel FakeTensorMode would run for real: it writes into out
+                out = kwargs["out"]
+            else:
+                out = fix(args, kwargs, FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs))
         finally:
             if active:
                 tracker.end_op(func, args, kwargs, out)
