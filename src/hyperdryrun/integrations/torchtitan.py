@@ -223,9 +223,9 @@ class TorchtitanJob(ConfigChecks):
             )
         if config.compile.enable_async_tensor_parallel and dims.tp_enabled:
             self.limitations.append(
-                "compile.enable_async_tensor_parallel: async TP is Inductor's micro-pipeline pass over compiled "
-                "regions, which run eagerly in the dry run: TP collectives run unfused and async TP's symmetric-"
-                "memory buffers are not counted"
+                "compile.enable_async_tensor_parallel: async TP's Inductor micro-pipeline pass runs on the "
+                "compiled regions but finds no all-gather/reduce-scatter pattern to fuse in the dry run's graphs: "
+                "TP collectives are counted unfused and async TP's symmetric-memory buffers are not counted"
             )
         if not t.disable_cuda_graphs:
             self.limitations.append(
