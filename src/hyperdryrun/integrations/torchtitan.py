@@ -225,7 +225,10 @@ class TorchtitanJob(ConfigChecks):
             self.limitations.append(
                 "compile.enable_async_tensor_parallel: async TP's Inductor micro-pipeline pass runs on the "
                 "compiled regions but finds no all-gather/reduce-scatter pattern to fuse in the dry run's graphs: "
-                "TP collectives are counted unfused and async TP's symmetric-memory buffers are not counted"
+                "TP collectives are counted unfused (torch's fused ops allocate the same gathered inputs and "
+                "full-size partial outputs) and async TP's symmetric-memory workspace is not counted (one per TP "
+                "group, kept, outside the caching allocator: the larger of an all-gather-matmul's input shard and "
+                "twice a matmul-reduce-scatter's output chunk, torch's get_symm_mem_workspace)"
             )
         if not t.disable_cuda_graphs:
             self.limitations.append(
