@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hyperdryrun.patches import Patch
+from hyperdryrun.patches import Patch, PatchSet
 
 TORCH_INTERNAL_REGIONS = {
     "torch.nn.attention.flex_attention.flex_attention.<locals>._flex_attention_hop_wrapper"
@@ -254,6 +254,40 @@ def inductor_patches(
             reason="torch 2.13 Inductor's partition_fn: wrapped to record what the partitioner saves for backward "
             "and recomputes (the report's per-region line)",
         ),
+    ]
+
+
+def async_tp_pass_patches() -> list[Patch]:
+    """Inductor's async-TP pass as it runs for a CUDA target on a CPU-only torch build.
+
+    torch 2.13 to 2.15 ``torch/_inductor/fx_passes/micro_pipeline_tp.py``: ``fuse_all_gather_matmul`` and
+    ``fuse_matmul_reduce_scatter`` return unfused when ``torch.distributed.is_nccl_available()`` is false, which it
+    is on a build without NCCL (this host), while the patterns they fuse are found on any device. The pass
+    (``post_grad.micro_pipeline_tp_pass``, called when ``config._micro_pipeline_tp`` is set) is wrapped so that NCCL
+    counts as available while it rewrites a graph, and only then."""
+    import torch._inductor.fx_passes.post_grad as post_grad
+    import torch.distributed as dist
+
+    original = post_grad.micro_pipeline_tp_pass
+
+    def micro_pipeline_tp_pass(graph: Any) -> Any:
+        nccl = Patch(
+            dist,
+            "is_nccl_available",
+            lambda: True,
+            reason="torch's async-TP fusions require NCCL, which a CUDA build has and this CPU build lacks",
+        )
+        with PatchSet([nccl]):
+            return original(graph)
+
+    return [
+        Patch(
+            post_grad,
+            "micro_pipeline_tp_pass",
+            micro_pipeline_tp_pass,
+            reason="torch 2.13's async-TP pass fuses nothing where NCCL is not built in; the dry run of a CUDA "
+            "target fuses as a CUDA build does",
+        )
     ]
 
 

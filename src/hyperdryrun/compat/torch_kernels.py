@@ -140,6 +140,72 @@ real CPU kernel on zero-filled tensors of the full size (``run_fallback_kernel``
 kernel writes into ``out`` and allocates nothing, so the simulation returns ``out``."""
 
 
+def _group_size(group_name: str) -> int:
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_group_size_by_name(group_name)
+
+
+def _all_gather_matmul(args, kwargs) -> tuple[list[tuple[int, torch.dtype]], int, str]:
+    """``symm_mem.fused_all_gather_matmul`` as torch 2.13's CUDA kernel runs it for a training step's M
+    (``_fused_all_gather_matmul_impl``; the native and multicast variants are for env-enabled or M <= 4096 calls):
+    the gathered input ``A_flat`` is allocated before the outputs and, where the op does not return it
+    (``return_A=False``) or returns a concatenated copy (gathering the last dim), freed when the op returns; the
+    shard is staged in the group's symmetric-memory workspace."""
+    shard, gather_dim = args[0], args[2]
+    return_a = kwargs.get("return_A", True)
+    gathered = shard.numel() * _group_size(args[3])
+    last_dim = gather_dim in (-1, shard.dim() - 1)
+    transient = [(gathered, shard.dtype)] if (last_dim or not return_a) else []
+    return transient, shard.numel() * shard.element_size(), str(args[3])
+
+
+def _matmul_reduce_scatter(args, kwargs) -> tuple[list[tuple[int, torch.dtype]], int, str]:
+    """``symm_mem.fused_matmul_reduce_scatter`` as torch 2.13's CUDA kernel runs it
+    (``_fused_matmul_reduce_scatter_impl``): every rank's partial product, ``stacked_partials`` (M x N in A's dtype),
+    is allocated before the reduced output and freed when the op returns; the all-to-all of the partials needs twice
+    one rank's chunk of them in the group's symmetric-memory workspace."""
+    a, b = args[0], args[1]
+    stacked = a.numel() // a.shape[-1] * b.shape[1]
+    size = stacked * a.element_size()
+    return [(stacked, a.dtype)], 2 * size // _group_size(args[4]), str(args[4])
+
+
+def _scaled_matmul_reduce_scatter(args, kwargs) -> tuple[list[tuple[int, torch.dtype]], int, str]:
+    """``symm_mem.fused_scaled_matmul_reduce_scatter`` (float8 ``_scaled_mm``) as torch 2.13's CUDA kernel runs it
+    (``_fused_scaled_matmul_reduce_scatter_impl``): as the bf16 op, ``stacked_partials`` in ``out_dtype``, and for
+    row-wise scales a contiguous copy of them with the scatter dim first where that is not a view."""
+    import inspect
+
+    from torch.distributed._symmetric_memory import _fused_scaled_matmul_reduce_scatter_fallback as meta
+
+    bound = inspect.signature(meta).bind(*args, **kwargs).arguments
+    a, b, a_scale = bound["A"], bound["B"], bound["A_scale"]
+    dtype = bound.get("out_dtype") or a.dtype
+    stacked = a.numel() // a.shape[-1] * b.shape[1]
+    transient = [(stacked, dtype)]
+    if (
+        a_scale.numel() > 1
+        and not a_scale.movedim(bound["scatter_dim_after_maybe_reshape"], 0).is_contiguous()
+    ):
+        transient.append((a_scale.numel(), a_scale.dtype))
+    size = stacked * dtype.itemsize
+    group = bound["group_name"]
+    return transient, 2 * size // _group_size(group), str(group)
+
+
+FUSED_COLLECTIVE_MATMULS = {
+    "fused_all_gather_matmul": _all_gather_matmul,
+    "fused_matmul_reduce_scatter": _matmul_reduce_scatter,
+    "fused_scaled_matmul_reduce_scatter": _scaled_matmul_reduce_scatter,
+}
+"""The ``symm_mem`` ops Inductor's async-TP pass fuses a TP all-gather or reduce-scatter and its matmul into, by op
+name: ``fn(args, kwargs) -> (transients, workspace bytes, process group)``. Their Meta kernels (what a fake mode runs) return the
+outputs only; the CUDA kernels also allocate ``transients`` (numel, dtype) while they run, and stage data in a
+symmetric-memory workspace that lies outside the caching allocator. ``fused_all_gather_scaled_matmul`` is not
+listed: its outputs only, and the report says so."""
+
+
 def _foreach_devices(simulation_device: str):
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 

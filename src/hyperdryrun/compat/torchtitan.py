@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hyperdryrun.compat.versions import torch_version
-from hyperdryrun.patches import Patch
+from hyperdryrun.patches import Patch, PatchSet
 
 TESTED_VERSION = "0.3.0"
 """The torchtitan release this integration is tested with (the ``hyperdryrun[torchtitan]`` extra pins it)."""
@@ -69,8 +69,21 @@ def restored_globals() -> Iterator[None]:
     saved = [c.get_config_copy() for c in configs]
     symm_stores = dict(symm_mem._group_name_to_store)  # async TP enables symmetric memory for the tp group
     backend = titan_dist.get_spmd_backend()
+
+    def enable_symm_mem_for_group(group_name: str) -> None:
+        symm_mem._group_name_to_store.setdefault(group_name, None)
+
+    symm_group = Patch(
+        symm_mem,
+        "enable_symm_mem_for_group",
+        enable_symm_mem_for_group,
+        reason="torch 2.13's enable_symm_mem_for_group registers the group with C++ "
+        "(_SymmetricMemory.set_group_info), which no API undoes and which refuses a name it has seen: a second "
+        "async-TP job in one process failed. Inside, the group is only marked enabled (what Inductor's async-TP "
+        "pass checks); nothing is staged in symmetric memory by fake or CPU kernels",
+    )
     try:
-        with quiet_logger():  # its INFO/WARNING lines speak of a real run ("HF assets path ...")
+        with quiet_logger(), PatchSet([symm_group]):  # its INFO/WARNING lines speak of a real run
             yield
     finally:
         titan_dist.set_spmd_backend(backend)

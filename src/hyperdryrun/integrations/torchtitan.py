@@ -223,12 +223,10 @@ class TorchtitanJob(ConfigChecks):
             )
         if config.compile.enable_async_tensor_parallel and dims.tp_enabled:
             self.limitations.append(
-                "compile.enable_async_tensor_parallel: async TP's Inductor micro-pipeline pass runs on the "
-                "compiled regions but finds no all-gather/reduce-scatter pattern to fuse in the dry run's graphs: "
-                "TP collectives are counted unfused (torch's fused ops allocate the same gathered inputs and "
-                "full-size partial outputs) and async TP's symmetric-memory workspace is not counted (one per TP "
-                "group, kept, outside the caching allocator: the larger of an all-gather-matmul's input shard and "
-                "twice a matmul-reduce-scatter's output chunk, torch's get_symm_mem_workspace)"
+                "compile.enable_async_tensor_parallel: for a CUDA target Inductor's async-TP pass fuses the TP "
+                "all-gathers and reduce-scatters of the compiled regions with their matmuls as on the GPU (the "
+                "'async TP' line counts them); for a CPU target nothing is fused, as torch fuses only where NCCL is "
+                "built in"
             )
         if not t.disable_cuda_graphs:
             self.limitations.append(

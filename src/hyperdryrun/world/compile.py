@@ -166,6 +166,8 @@ class CompiledCode:
                 )
             )
             stack.enter_context(_hop_rules(self.mode_class))
+            if self.target_device == "cuda":
+                stack.enter_context(PatchSet(torch_compile.async_tp_pass_patches()))
             if self.models_flex:
                 from hyperdryrun.compat.torch_flex import cuda_flex_lowerings, flex_patches
 

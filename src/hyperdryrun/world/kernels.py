@@ -11,11 +11,15 @@ ops in ``OUTPUT_FIXUPS``. Which differences exist, and where the audit finds the
 
 from __future__ import annotations
 
+import collections
+from dataclasses import dataclass, field
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hyperdryrun.compat import torch_kernels, torchao
 from hyperdryrun.compat.torch_kernels import (
+    FUSED_COLLECTIVE_MATMULS,
     OUTPUT_FIXUPS,
     cuda_dropout,
     cuda_log_softmax,
@@ -28,14 +32,51 @@ from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET, DIFFERENCES, Cuda
 from hyperdryrun.world.sdpa import cuda_scaled_dot_product_attention, cuda_sdpa_backend, sdpa_for
 
 
+@dataclass
+class FusedCollectives:
+    """What the async-TP ops of a CUDA target did in a dry run: calls per op, and the symmetric-memory workspace
+    each process group needed (the largest request: torch's ``get_symm_mem_workspace`` grows it to that)."""
+
+    calls: collections.Counter = field(default_factory=collections.Counter)
+    unmodelled: collections.Counter = field(default_factory=collections.Counter)
+    workspace: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def limitation(self) -> str | None:
+        if not self.calls and not self.unmodelled:
+            return None
+        line = "async TP: compiled regions ran Inductor's fused collective matmuls"
+        if self.calls:
+            ops = ", ".join(f"{name} x{n}" for name, n in sorted(self.calls.items()))
+            spaces = ", ".join(f"{group}: {size:,} B" for group, size in sorted(self.workspace.items()))
+            line += (
+                f" ({ops}) with the buffers torch's CUDA kernels allocate (the gathered input, the stacked partial "
+                "products); the symmetric-memory workspace they stage through lies outside the caching allocator "
+                f"and is not counted (per process group, kept after the step: {spaces})"
+            )
+        if self.unmodelled:
+            ops = ", ".join(f"{name} x{n}" for name, n in sorted(self.unmodelled.items()))
+            line += (
+                f"{';' if self.calls else ':'} {ops} counted by their outputs only (the kernels' temporaries "
+            )
+            line += "and workspace are not modelled)"
+        return line
+
+
 class TargetFakeTensorMode(TrackingFakeTensorMode):
     """The tracking fake mode, with the outputs of ``OUTPUT_FIXUPS`` ops replaced by the CUDA kernel's (the
-    replacement is what the tracker and autograd see: it is recorded as the op's own outputs), and the ``out=``
-    kernels without a Meta kernel (``OUT_WITHOUT_META``) returning ``out`` instead of running for real."""
+    replacement is what the tracker and autograd see: it is recorded as the op's own outputs), the ``out=``
+    kernels without a Meta kernel (``OUT_WITHOUT_META``) returning ``out`` instead of running for real, and the
+    async-TP ops (``FUSED_COLLECTIVE_MATMULS``) holding the CUDA kernel's temporaries while they run."""
+
+    fused: FusedCollectives | None = None
+    """Set by the world: where the async-TP ops' calls and workspaces are recorded."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         fix = OUTPUT_FIXUPS.get(func)
         if fix is None and func not in torch_kernels.OUT_WITHOUT_META:
+            if getattr(func, "_namespace", None) == "symm_mem" and func._opname.startswith("fused_"):
+                return self._fused_collective(func, types, args, kwargs or {})
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         tracker = self.tracker
@@ -51,6 +92,27 @@ class TargetFakeTensorMode(TrackingFakeTensorMode):
         finally:
             if active:
                 tracker.end_op(func, args, kwargs, out)
+        return out
+
+    def _fused_collective(self, func, types, args, kwargs):
+        model = FUSED_COLLECTIVE_MATMULS.get(func._opname)
+        if model is None:  # a float8 variant: its Meta kernel's outputs
+            if self.fused is not None:
+                self.fused.unmodelled[func._opname] += 1
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        transients, workspace, group = model(args, kwargs)
+        if self.fused is not None:
+            self.fused.calls[func._opname] += 1
+            self.fused.workspace[group] = max(self.fused.workspace.get(group, 0), workspace)
+        device = args[0].device
+        held = []
+        for numel, dtype in transients:
+            empty = torch.ops.aten.empty.memory_format
+            held.append(
+                super().__torch_dispatch__(empty, types, ((numel,),), {"dtype": dtype, "device": device})
+            )
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        del held
         return out
 
 
@@ -85,6 +147,7 @@ __all__ = [
     "DEFAULT_CUDA_TARGET",
     "DIFFERENCES",
     "OUTPUT_FIXUPS",
+    "FusedCollectives",
     "CudaTarget",
     "KernelDifference",
     "TargetFakeTensorMode",

@@ -25,7 +25,12 @@ from hyperdryrun.world.autocast import applies as cuda_autocast_applies
 from hyperdryrun.world.compile import CompiledCode
 from hyperdryrun.world.dtensor import untracked_sharding_propagation
 from hyperdryrun.world.fsdp import gradient_accumulation_buffers
-from hyperdryrun.world.kernels import TargetFakeTensorMode, needs_target_kernels, target_kernel_patches
+from hyperdryrun.world.kernels import (
+    FusedCollectives,
+    TargetFakeTensorMode,
+    needs_target_kernels,
+    target_kernel_patches,
+)
 from hyperdryrun.world.patches import PatchSet
 from hyperdryrun.world.runtime import CudaRuntime
 from hyperdryrun.world.streams import StreamRegistry, fsdp_stream_patches, record_stream_patch
@@ -94,6 +99,8 @@ class SimulatedWorld:
         self.fake_mode: TrackingFakeTensorMode | None = None
         self.tracker: MemoryTracker | None = None
         self.compiled: CompiledCode | None = None
+        self.fused_collectives: FusedCollectives | None = None
+        """The async-TP ops' record (a CUDA target simulated elsewhere: :class:`TargetFakeTensorMode`)."""
         self._stack: contextlib.ExitStack | None = None
 
     # ------------------------------------------------------------------ enter / exit
@@ -136,6 +143,8 @@ class SimulatedWorld:
             if self.device != "cuda" and needs_target_kernels(self.target_device, self.device):
                 mode = TargetFakeTensorMode
             self.fake_mode = mode(allow_non_fake_inputs=True)
+            if isinstance(self.fake_mode, TargetFakeTensorMode):
+                self.fake_mode.fused = self.fused_collectives = FusedCollectives()
             self.compiled = stack.enter_context(
                 CompiledCode(self.target_device, self.device, mode, lambda: self.tracker)
             )
@@ -183,7 +192,8 @@ class SimulatedWorld:
                 "audit-kernels` lists them)"
             )
         out += self.compiled.limitations if self.compiled is not None else []
-        return out
+        fused = self.fused_collectives.limitation if self.fused_collectives is not None else None
+        return out + ([fused] if fused else [])
 
 
 def _packed_sequences() -> bool:
