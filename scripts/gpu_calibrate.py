@@ -417,6 +417,13 @@ def main(argv: list[str] | None = None) -> int:
         "--record-out", default=None, help="cuda: write what the GPU measured as a record (the rows' format)"
     )
     parser.add_argument(
+        "--rows-from",
+        default=str(GPU_RECORD),
+        metavar="RECORD",
+        help="cuda: measure the rows of this record (default docs/gpu/h200_measured.json; "
+        "docs/gpu/compile_rows.json holds the compiled rows no GPU has measured yet)",
+    )
+    parser.add_argument(
         "--accuracy",
         default=None,
         help="write the table into this ACCURACY.md (default on the cuda and record paths: docs/ACCURACY.md)",
@@ -436,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not (args.tiny or args.small):
         # The record's rows, measured again on this GPU; the table compares the dry run with the new record.
         gpu = gpu_preset_name()
-        record = measure_record(record_rows(load_record(GPU_RECORD))[: args.rows], gpu)
+        record = measure_record(record_rows(load_record(Path(args.rows_from)))[: args.rows], gpu)
         out = Path(args.record_out or "gpu_record.json")
         atomic_write(out, json.dumps(record, indent=1) + "\n")
         print(f"wrote the record {out}", file=sys.stderr)
