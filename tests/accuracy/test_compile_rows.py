@@ -30,3 +30,19 @@ def test_the_prepared_compiled_rows_are_valid_compiled_jobs_with_no_measurement(
     assert "--rows-from docs/gpu/compile_rows.json" in " ".join(
         (ROOT / "docs" / "ACCURACY.md").read_text().split()
     )
+
+
+def test_accuracy_md_gives_each_prepared_rows_dry_run_as_it_is_today():
+    import re
+
+    spec = importlib.util.spec_from_file_location("gpu_calibrate_rows2", ROOT / "scripts" / "gpu_calibrate.py")
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    text = " ".join((ROOT / "docs" / "ACCURACY.md").read_text().split())
+    for name, over in cal.record_rows(cal.load_record(ROOT / "docs" / "gpu" / "compile_rows.json")):
+        allocated, reserved = re.search(rf"{name[:2]} \([^)]*\) ([\d,]+) / ([\d,]+) B", text).groups()
+        dry = cal.dry_figures(cal.gpu_config(over, "h200"))
+        assert (dry["dry_allocated"], dry["dry_reserved"]) == (
+            int(allocated.replace(",", "")),
+            int(reserved.replace(",", "")),
+        ), name
