@@ -35,7 +35,9 @@ def test_the_prepared_compiled_rows_are_valid_compiled_jobs_with_no_measurement(
 def test_accuracy_md_gives_each_prepared_rows_dry_run_as_it_is_today():
     import re
 
-    spec = importlib.util.spec_from_file_location("gpu_calibrate_rows2", ROOT / "scripts" / "gpu_calibrate.py")
+    spec = importlib.util.spec_from_file_location(
+        "gpu_calibrate_rows2", ROOT / "scripts" / "gpu_calibrate.py"
+    )
     cal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cal)
     text = " ".join((ROOT / "docs" / "ACCURACY.md").read_text().split())
