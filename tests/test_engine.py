@@ -210,3 +210,25 @@ def test_dtensor_speedup_patch_undone_after_run_and_after_failure():
             lambda: torch.nn.Linear(4, 4), lambda i, d: torch.ones(2, 4, device=d), loss_fn=boom, world_size=2
         )
     assert sharding_prop._propagate_use_strided_shard_flag is original
+
+
+def test_what_torch_logs_at_warning_during_the_step_goes_to_the_limitations_and_its_handlers_come_back(capfd):
+    """torch._logging gives ``torch`` and its registered loggers stderr handlers of their own (propagate off);
+    inside the simulation a WARNING they log is a limitation line, counted, and nothing reaches the terminal."""
+    import logging
+
+    from hyperdryrun.engine import warnings_as_limitations
+
+    torch._logging._internal._init_logs()  # the handlers torch sets up (idempotent)
+    dynamo = logging.getLogger("torch._dynamo")
+    before = {name: list(logging.getLogger(name).handlers) for name in ("torch", "torch._dynamo")}
+    assert before["torch"], "torch._logging gives the torch logger a handler"
+    with warnings_as_limitations() as warned:
+        dynamo.warning("a graph break in %s", "f")
+        dynamo.warning("a graph break in %s", "f")
+        dynamo.info("not a warning")
+    assert warned() == [
+        "warned during the simulated step (2 times): WARNING torch._dynamo: a graph break in f"
+    ]
+    assert capfd.readouterr().err == ""
+    assert {name: list(logging.getLogger(name).handlers) for name in before} == before

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -355,11 +356,13 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
 @contextlib.contextmanager
 def warnings_as_limitations() -> Iterator[Callable[[], list[str]]]:
     """Record every Python warning raised inside (torch's ``UserWarning`` that an FSDP2 module returned a view,
-    transformers' deprecations, ...) instead of printing it: a warning from inside the simulated step is about the
-    simulation's model code, not the user's terminal, so it goes into the report's limitations, once per distinct
-    warning, with how many times it was raised. Yields a function returning those lines; the warning filters
-    come back on exit (``warnings.catch_warnings``)."""
-    with warnings.catch_warnings(record=True) as caught:
+    transformers' deprecations, ...) and every WARNING torch logs (``torch._logging``'s ``warning_once``: dynamo's
+    "context_fn is passed to torch.utils.checkpoint under torch.compile", Inductor's async-TP pass) instead of
+    printing it: a warning from inside the simulated step is about the simulation's model code, not the user's
+    terminal, so it goes into the report's limitations, once per distinct warning, with how many times it was
+    raised. Yields a function returning those lines; the warning filters and torch's log handlers come back on exit
+    (``warnings.catch_warnings``, :func:`torch_log_warnings`)."""
+    with warnings.catch_warnings(record=True) as caught, torch_log_warnings() as logged:
         warnings.simplefilter("always")  # every occurrence reaches the record, so the count is true
 
         def lines() -> list[str]:
@@ -367,12 +370,51 @@ def warnings_as_limitations() -> Iterator[Callable[[], list[str]]]:
             for w in caught:
                 text = f"{w.category.__name__}: {str(w.message).strip()}"
                 counts[text] = counts.get(text, 0) + 1
+            for text in logged:
+                counts[text] = counts.get(text, 0) + 1
             return [
                 f"warned during the simulated step ({n} time{'s' if n > 1 else ''}): {' '.join(text.split())}"
                 for text, n in counts.items()
             ]
 
         yield lines
+
+
+class _Caught(logging.Handler):
+    def __init__(self, texts: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.texts = texts
+        self._seen: set[int] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if id(record) not in self._seen:  # a record that reaches two torch loggers is counted once
+            self._seen.add(id(record))
+            self.texts.append(f"{record.levelname} {record.name}: {record.getMessage().strip()}")
+
+
+@contextlib.contextmanager
+def torch_log_warnings() -> Iterator[list[str]]:
+    """While inside, what torch's loggers (``torch`` and the ``torch.*`` loggers ``torch._logging`` gave handlers of
+    their own) log at WARNING or above is collected into the yielded list instead of reaching their handlers
+    (stderr); the handlers are put back on exit."""
+    names = ["torch", *(n for n in list(logging.root.manager.loggerDict) if n.startswith("torch."))]
+    loggers = [logging.getLogger(n) for n in names]
+    loggers = [lg for lg in loggers if lg.name == "torch" or lg.handlers]
+    texts: list[str] = []
+    caught = _Caught(texts)
+    saved = [(lg, list(lg.handlers)) for lg in loggers]
+    try:
+        for lg, handlers in saved:
+            for h in handlers:
+                lg.removeHandler(h)
+            lg.addHandler(caught)
+        yield texts
+    finally:
+        for lg, handlers in saved:
+            lg.removeHandler(caught)
+            for h in handlers:
+                if h not in lg.handlers:
+                    lg.addHandler(h)
 
 
 def run_metadata(world: SimulatedWorld, plan: JobPlan, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

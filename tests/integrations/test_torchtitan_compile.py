@@ -99,3 +99,33 @@ def test_async_tp_fuses_the_tp_collectives_with_their_matmuls_as_the_cuda_kernel
         symm_mem.enable_symm_mem_for_group,
     ) == before
     assert not dist.is_nccl_available() and "0" not in symm_mem._group_name_to_store
+
+
+def test_torchs_own_warnings_of_a_compiled_step_are_limitations_not_terminal_lines(tmp_path):
+    """torchtitan's selective AC under compile makes dynamo log (torch._logging's warning_once, once a process:
+    hence a process of its own) that context_fn is passed to checkpoint under torch.compile; a new user's terminal
+    gets the report only, the report gets the warning."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    argv = [*DEBUG, "--compile.enable", "--output-dir", str(tmp_path / "out"), "--quiet"]
+    done = subprocess.run(
+        [sys.executable, "-m", "hyperdryrun", "torchtitan", "--world-size", "2", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "rank_0" / "rank_0_memory.json").read_text())
+    assert any(
+        line.startswith("warned during the simulated step (1 time): WARNING torch.")
+        and "context_fn is passed to torch.utils.checkpoint under torch.compile" in line
+        for line in report["limitations"]
+    )
