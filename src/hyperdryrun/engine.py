@@ -384,11 +384,12 @@ class _Caught(logging.Handler):
     def __init__(self, texts: list[str]) -> None:
         super().__init__(logging.WARNING)
         self.texts = texts
-        self._seen: set[int] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if id(record) not in self._seen:  # a record that reaches two torch loggers is counted once
-            self._seen.add(id(record))
+        # a record that reaches two torch loggers (a child that propagates) is counted once; marked on the record
+        # itself (an id would be reused by the next record once this one is freed)
+        if not getattr(record, "_hyperdryrun_caught", False):
+            record._hyperdryrun_caught = True
             self.texts.append(f"{record.levelname} {record.name}: {record.getMessage().strip()}")
 
 
