@@ -414,8 +414,7 @@ def torch_log_warnings() -> Iterator[list[str]]:
         for lg, handlers in saved:
             lg.removeHandler(caught)
             for h in handlers:
-                if h not in lg.handlers:
-                    lg.addHandler(h)
+                lg.addHandler(h)  # a no-op for a handler already there
 
 
 def run_metadata(world: SimulatedWorld, plan: JobPlan, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

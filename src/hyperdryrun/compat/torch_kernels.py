@@ -12,6 +12,8 @@ torch's own CUDA kernel on fake "cuda", so a release that changes one fails ther
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -146,58 +148,63 @@ def _group_size(group_name: str) -> int:
     return c10d._get_group_size_by_name(group_name)
 
 
+@functools.cache
+def _signature(op_name: str) -> inspect.Signature:
+    """The signature of torch's Meta kernel of ``symm_mem.<op_name>`` (``_<op_name>_fallback``): how a call's
+    positional and keyword arguments bind to names, as the op receives them."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    return inspect.signature(getattr(symm_mem, f"_{op_name}_fallback"))
+
+
+def _bound(op_name: str, args, kwargs) -> dict:
+    bound = _signature(op_name).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
 def _all_gather_matmul(args, kwargs) -> tuple[list[tuple[int, torch.dtype]], int, str]:
     """``symm_mem.fused_all_gather_matmul`` as torch 2.13's CUDA kernel runs it for a training step's M
     (``_fused_all_gather_matmul_impl``; the native and multicast variants are for env-enabled or M <= 4096 calls):
     the gathered input ``A_flat`` is allocated before the outputs and, where the op does not return it
     (``return_A=False``) or returns a concatenated copy (gathering the last dim), freed when the op returns; the
     shard is staged in the group's symmetric-memory workspace."""
-    shard, gather_dim = args[0], args[2]
-    return_a = kwargs.get("return_A", True)
-    gathered = shard.numel() * _group_size(args[3])
+    bound = _bound("fused_all_gather_matmul", args, kwargs)
+    shard, gather_dim, group = bound["A_shard"], bound["gather_dim"], bound["group_name"]
+    gathered = shard.numel() * _group_size(group)
     last_dim = gather_dim in (-1, shard.dim() - 1)
-    transient = [(gathered, shard.dtype)] if (last_dim or not return_a) else []
-    return transient, shard.numel() * shard.element_size(), str(args[3])
+    transient = [(gathered, shard.dtype)] if (last_dim or not bound["return_A"]) else []
+    return transient, shard.numel() * shard.element_size(), str(group)
 
 
-def _matmul_reduce_scatter(args, kwargs) -> tuple[list[tuple[int, torch.dtype]], int, str]:
-    """``symm_mem.fused_matmul_reduce_scatter`` as torch 2.13's CUDA kernel runs it
-    (``_fused_matmul_reduce_scatter_impl``): every rank's partial product, ``stacked_partials`` (M x N in A's dtype),
-    is allocated before the reduced output and freed when the op returns; the all-to-all of the partials needs twice
-    one rank's chunk of them in the group's symmetric-memory workspace."""
-    a, b = args[0], args[1]
-    stacked = a.numel() // a.shape[-1] * b.shape[1]
-    size = stacked * a.element_size()
-    return [(stacked, a.dtype)], 2 * size // _group_size(args[4]), str(args[4])
-
-
-def _scaled_matmul_reduce_scatter(args, kwargs) -> tuple[list[tuple[int, torch.dtype]], int, str]:
-    """``symm_mem.fused_scaled_matmul_reduce_scatter`` (float8 ``_scaled_mm``) as torch 2.13's CUDA kernel runs it
-    (``_fused_scaled_matmul_reduce_scatter_impl``): as the bf16 op, ``stacked_partials`` in ``out_dtype``, and for
-    row-wise scales a contiguous copy of them with the scatter dim first where that is not a view."""
-    import inspect
-
-    from torch.distributed._symmetric_memory import _fused_scaled_matmul_reduce_scatter_fallback as meta
-
-    bound = inspect.signature(meta).bind(*args, **kwargs).arguments
-    a, b, a_scale = bound["A"], bound["B"], bound["A_scale"]
+def _reduce_scatter(op_name: str, args, kwargs) -> tuple[list[tuple[int, torch.dtype]], int, str]:
+    """``symm_mem.fused_matmul_reduce_scatter`` and its float8 form ``fused_scaled_matmul_reduce_scatter`` as torch
+    2.13's CUDA kernels run them (``_fused_matmul_reduce_scatter_impl``, ``_fused_scaled_matmul_reduce_scatter_impl``):
+    every rank's partial product, ``stacked_partials`` (M x N in the output dtype), is allocated before the reduced
+    output and freed when the op returns, and for row-wise float8 scales a contiguous copy of them with the scatter
+    dim first where that is not a view; the all-to-all of the partials needs twice one rank's chunk of them in the
+    group's symmetric-memory workspace."""
+    bound = _bound(op_name, args, kwargs)
+    a, b, group = bound["A"], bound["B"], bound["group_name"]
     dtype = bound.get("out_dtype") or a.dtype
     stacked = a.numel() // a.shape[-1] * b.shape[1]
     transient = [(stacked, dtype)]
+    a_scale = bound.get("A_scale")
     if (
-        a_scale.numel() > 1
+        a_scale is not None
+        and a_scale.numel() > 1
         and not a_scale.movedim(bound["scatter_dim_after_maybe_reshape"], 0).is_contiguous()
     ):
         transient.append((a_scale.numel(), a_scale.dtype))
-    size = stacked * dtype.itemsize
-    group = bound["group_name"]
-    return transient, 2 * size // _group_size(group), str(group)
+    return transient, 2 * stacked * dtype.itemsize // _group_size(group), str(group)
 
 
 FUSED_COLLECTIVE_MATMULS = {
     "fused_all_gather_matmul": _all_gather_matmul,
-    "fused_matmul_reduce_scatter": _matmul_reduce_scatter,
-    "fused_scaled_matmul_reduce_scatter": _scaled_matmul_reduce_scatter,
+    "fused_matmul_reduce_scatter": functools.partial(_reduce_scatter, "fused_matmul_reduce_scatter"),
+    "fused_scaled_matmul_reduce_scatter": functools.partial(
+        _reduce_scatter, "fused_scaled_matmul_reduce_scatter"
+    ),
 }
 """The ``symm_mem`` ops Inductor's async-TP pass fuses a TP all-gather or reduce-scatter and its matmul into, by op
 name: ``fn(args, kwargs) -> (transients, workspace bytes, process group)``. Their Meta kernels (what a fake mode runs) return the

@@ -58,8 +58,8 @@ class FusedCollectives:
             ops = ", ".join(f"{name} x{n}" for name, n in sorted(self.unmodelled.items()))
             line += (
                 f"{';' if self.calls else ':'} {ops} counted by their outputs only (the kernels' temporaries "
+                "and workspace are not modelled)"
             )
-            line += "and workspace are not modelled)"
         return line
 
 
@@ -105,9 +105,9 @@ class TargetFakeTensorMode(TrackingFakeTensorMode):
             self.fused.calls[func._opname] += 1
             self.fused.workspace[group] = max(self.fused.workspace.get(group, 0), workspace)
         device = args[0].device
+        empty = torch.ops.aten.empty.memory_format
         held = []
         for numel, dtype in transients:
-            empty = torch.ops.aten.empty.memory_format
             held.append(
                 super().__torch_dispatch__(empty, types, ((numel,),), {"dtype": dtype, "device": device})
             )
