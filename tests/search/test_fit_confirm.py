@@ -1,5 +1,6 @@
-"""Step 4 of the search: a layout that fits on extrapolated (allocated-only) figures is run again in full for the
-allocator model's device figure before it enters the table, and is an OOM if that figure is over the capacity."""
+"""Step 4 of the search: a layout is judged on the allocator model's device figure, replayed on the blocks
+written down from its samples (hyperdryrun.search.synthesis), or, where they cannot be, of a second, full run; it
+is an OOM if that figure is over the capacity."""
 
 from __future__ import annotations
 
@@ -36,7 +37,31 @@ def _direct(rank: int) -> dict:
     return build_report(run_job(cfg, capture_stacks=False))["summary"]
 
 
-def test_an_extrapolated_layout_that_fits_is_judged_on_the_device_figure_of_full_runs(any_saving):
+def test_an_extrapolated_layout_is_judged_on_the_device_figure_of_its_written_blocks_without_a_second_run(
+    any_saving,
+):
+    outcome = fit(FitJob(BASE_JOB, 4 * GIB, 12, SPACE, top=1), InlineExecutor(), ResultCache(None))
+    (r,) = outcome.results
+    assert r.status == FITS and r.basis == "device"
+    assert r.classes and all(not c.confirmed and c.figures.method == EXTRAPOLATED for c in r.classes)
+    for c in r.classes:
+        direct = _direct(c.rank_class.representative)
+        assert (c.figures.peak_bytes, c.figures.peak_reserved_bytes, c.figures.peak_device_bytes) == (
+            direct["peak_bytes"],
+            direct["peak_reserved_bytes"],
+            direct["peak_device_bytes"],
+        )
+    assert outcome.counts()["confirmed"] == 0 and outcome.counts()["extrapolated"] == len(r.classes)
+    assert "device peak" in r.reason
+
+
+def test_where_the_blocks_cannot_be_written_down_the_layout_is_run_again_in_full(any_saving, monkeypatch):
+    import hyperdryrun.search.synthesis as synthesis
+
+    def refuse(*args, **kwargs):
+        raise ex.ShortcutFailed("refused by the test")
+
+    monkeypatch.setattr(synthesis, "synthesize", refuse)
     outcome = fit(FitJob(BASE_JOB, 4 * GIB, 12, SPACE, top=1), InlineExecutor(), ResultCache(None))
     (r,) = outcome.results
     assert r.status == FITS and r.basis == "device"

@@ -24,9 +24,10 @@ if TYPE_CHECKING:
     from hyperdryrun.config import JobConfig
 
 _IRRELEVANT = ("device_memory_gib", "margin_gib", "margin_pct", "output_dir", "live_set_limit")
-FORMAT = 2
+FORMAT = 3
 """What an entry holds; part of every key, raised when that changes (2: extrapolated figures carry no allocator
-peaks), so that entries of an older format are never read."""
+peaks; 3: samples carry their blocks and extrapolated figures the allocator peaks of the blocks written from them),
+so that entries of an older format are never read."""
 
 
 def default_cache_dir() -> Path:
@@ -138,7 +139,7 @@ def _valid_figures(d: dict[str, Any]) -> bool:
 
 
 def _valid_samples(d: dict[str, Any]) -> bool:
-    """:meth:`hyperdryrun.search.extrapolate.SampleTable.to_dict`'s rows, phases and scalars."""
+    """:meth:`hyperdryrun.search.extrapolate.SampleTable.to_dict`'s rows, phases, scalars, blocks and device inputs."""
     rows, phases, scalars = d.get("rows"), d.get("phases"), d.get("scalars")
     return (
         isinstance(rows, list)
@@ -149,6 +150,35 @@ def _valid_samples(d: dict[str, Any]) -> bool:
         )
         and isinstance(phases, list) and all(map(_text, phases))
         and isinstance(scalars, list) and all(map(_count, scalars))
+        and _opt(d.get("blocks"), _valid_blocks) and _opt(d.get("device"), _valid_device)
+    )  # fmt: skip
+
+
+def _valid_blocks(blocks: Any) -> bool:
+    """:func:`hyperdryrun.search.synthesis.block_rows`: (id, start, end, requested, size, stream, other streams,
+    category, phase, micro batch, module, op) each."""
+    from hyperdryrun.trace.blocks import Category, Phase
+
+    categories, phases = {str(c) for c in Category}, {str(p) for p in Phase}
+    return isinstance(blocks, list) and all(
+        isinstance(r, list) and len(r) == 12 and all(map(_count, r[:6]))
+        and isinstance(r[6], list) and all(map(_count, r[6]))
+        and r[7] in categories and r[8] in phases and _count(r[9]) and _text(r[10]) and _text(r[11])
+        for r in blocks
+    )  # fmt: skip
+
+
+def _valid_device(d: Any) -> bool:
+    """:func:`hyperdryrun.search.synthesis.device_inputs`."""
+    return (
+        isinstance(d, dict) and _text(d.get("settings")) and _text(d.get("source"))
+        and _count(d.get("workspace_bytes"))
+        and isinstance(ws := d.get("workspaces"), list)
+        and all(isinstance(w, list) and len(w) == 3 and _text(w[0]) and _count(w[1]) and _count(w[2]) for w in ws)
+        and all(
+            isinstance(v := d.get(k), list) and len(v) == 2 and _count(v[0]) and _text(v[1])
+            for k in ("nccl", "context")
+        )
     )  # fmt: skip
 
 

@@ -10,9 +10,9 @@ batch. A loop run outside the layers once per layer or per micro batch (FSDP2's 
 pipeline backward, the pipeline's receive buffers) is keyed by its unit ``u`` the same way.
 
 Fit and check. Sample runs differ from the job only in layers (``n0 + x``, ``x = 0, 1, 2``) and, where the schedule
-allows, micro batches (``m0, m0+1, m0+2``, plus the cross point ``(1, m0+1)``). Each key's live bytes (the total and
-every category) are fitted *exactly*, in rational arithmetic, by ``c0 + c1*x + c2*m + c3*p + c4*j + c5*u`` (the terms
-its samples vary); every sample must satisfy the fit, with at least one sample more than unknowns (the ``k+2``
+allows, micro batches (``m0, m0+1, m0+2``, plus the cross points ``(1, m0+1)`` and ``(1, m0+2)``). Each key's live
+bytes (the total and every category) are fitted *exactly*, in rational arithmetic, by
+``c0 + c1*x + c2*m + c3*p + c4*j + c5*u`` (the terms its samples vary); every sample must satisfy the fit, with at least one sample more than unknowns (the ``k+2``
 check), every key must occur in every sample, and the result must be whole bytes. The job's peak is then the
 largest value over the keys at its ``(x, m)``, a middle key taken at both ends of its range (an affine function's
 maximum is at an end), ties broken by time order as the tracker breaks them (the first task reaching the peak).
@@ -226,7 +226,9 @@ def plan_for(cfg: JobConfig) -> tuple[Plan | None, str]:
     if varies_m:
         points = [SamplePoint(x, m0) for x in xs] + [SamplePoint(0, m0 + 1), SamplePoint(0, m0 + 2)]
         if varies_x:
-            points.append(SamplePoint(1, m0 + 1))
+            # The cross points: times move by x * m (every micro batch runs every added layer), which
+            # (1, m0 + 1) determines and (1, m0 + 2) checks (hyperdryrun.search.synthesis).
+            points += [SamplePoint(1, m0 + 1), SamplePoint(1, m0 + 2)]
     else:
         points = [SamplePoint(x, target_m) for x in xs]
     plan = Plan(
@@ -375,6 +377,11 @@ class SampleTable:
     rows: list[tuple[int, str, int, str, str, tuple[int, ...]]]
     phases: list[str]
     scalars: list[int]
+    blocks: list[tuple] | None = None
+    """Every block (:func:`hyperdryrun.search.synthesis.block_rows`), for the allocator's figures."""
+    device: dict[str, Any] | None = None
+    """The allocator stage's other inputs (:func:`hyperdryrun.search.synthesis.device_inputs`; None: not a CUDA
+    target)."""
 
     @classmethod
     def from_trace(cls, trace: Any) -> SampleTable:
@@ -393,19 +400,26 @@ class SampleTable:
             if b.persistent:
                 after[str(b.category or "Other")] += b.size
         phases = sorted({str(ph) for ph in trace.task_phase})
-        return cls(rows, phases, [trace.initial, trace.current, *after.values()])
+        from hyperdryrun.search.synthesis import block_rows, device_inputs
+
+        device = device_inputs(trace)
+        blocks = block_rows(trace) if device is not None else None
+        return cls(rows, phases, [trace.initial, trace.current, *after.values()], blocks, device)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "rows": [list(r[:5]) + [list(r[5])] for r in self.rows],
             "phases": self.phases,
             "scalars": self.scalars,
+            "blocks": self.blocks,
+            "device": self.device,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SampleTable:
         rows = [(r[0], r[1], r[2], r[3], r[4], tuple(r[5])) for r in d["rows"]]
-        return cls(rows, list(d["phases"]), list(d["scalars"]))
+        blocks = None if d.get("blocks") is None else [tuple(r) for r in d["blocks"]]
+        return cls(rows, list(d["phases"]), list(d["scalars"]), blocks, d.get("device"))
 
 
 def _live_by_category(trace: Any) -> list[list[int]]:
@@ -567,7 +581,9 @@ class ShortcutFailed(Exception):
     """A check of the extrapolation failed: the full simulation is needed."""
 
 
-def _fit_all(samples: list[tuple[SamplePoint, list[_Task]]], plan: Plan) -> list[_Fit]:
+def _fit_all(samples: list[tuple[SamplePoint, list[_Task]]], plan: Plan, cross: bool = False) -> list[_Fit]:
+    """One exact fit per key (``cross``: with the products of the layers added and the micro-batch variables as
+    further unknowns, which times need: every micro batch runs every added layer's tasks)."""
     groups: dict[tuple, list[tuple[SamplePoint, _Task]]] = {}
     for point, tasks in samples:
         for task in tasks:
@@ -575,12 +591,16 @@ def _fit_all(samples: list[tuple[SamplePoint, list[_Task]]], plan: Plan) -> list
     points = [pt for pt, _ in samples]
     fits: list[_Fit] = []
     for group, members in groups.items():
-        fits.extend(_fit_group(group, members, points, plan))
+        fits.extend(_fit_group(group, members, points, plan, cross))
     return fits
 
 
 def _fit_group(
-    group: tuple, members: list[tuple[SamplePoint, _Task]], points: list[SamplePoint], plan: Plan
+    group: tuple,
+    members: list[tuple[SamplePoint, _Task]],
+    points: list[SamplePoint],
+    plan: Plan,
+    cross: bool = False,
 ) -> list[_Fit]:
     """Fits of one group's occurrences: one key per occurrence when every sample has as many. When the count grows
     by ``k`` per layer or per micro batch (a loop run outside the layers: FSDP2's gradient reduce-scatters after
@@ -594,7 +614,7 @@ def _fit_group(
         raise ShortcutFailed(f"{_show(group)} is missing from some samples or micro batches")
     count = {pt: next(iter(c)) for pt, c in per_point.items()}
     if len(set(count.values())) == 1:
-        return _fit_keys(group, [(pt, t, ("o", t.occ)) for pt, t in members], points, plan, None)
+        return _fit_keys(group, [(pt, t, ("o", t.occ)) for pt, t in members], points, plan, None, cross)
     axis, k, fixed, units = _unit_loop(group, count, plan)
     for front in range(fixed + 1):
         placed = []
@@ -608,7 +628,7 @@ def _fit_group(
                 unit, offset = divmod(o - front, k)
                 placed.append((pt, replace(t, u=unit), ("u", offset)))
         try:
-            return _fit_keys(group, placed, points, plan, (EDGE, units - 1 - EDGE))
+            return _fit_keys(group, placed, points, plan, (EDGE, units - 1 - EDGE), cross)
         except ShortcutFailed:
             continue
     if k > 1:
@@ -621,7 +641,7 @@ def _fit_group(
                 place, unit = _sequential_place(t.occ, parts, per_loop)
                 placed.append((pt, t if unit is None else replace(t, u=unit), place))
             try:
-                return _fit_keys(group, placed, points, plan, (EDGE, units - 1 - EDGE))
+                return _fit_keys(group, placed, points, plan, (EDGE, units - 1 - EDGE), cross)
             except ShortcutFailed:
                 continue
     raise ShortcutFailed(f"{_show(group)}: a loop over the {axis} that no alignment fits")
@@ -705,6 +725,7 @@ def _fit_keys(
     points: list[SamplePoint],
     plan: Plan,
     unit_range: tuple[int, int] | None,
+    cross: bool = False,
 ) -> list[_Fit]:
     by_key: dict[tuple, list[tuple[SamplePoint, _Task]]] = {}
     for pt, t, occ_place in placed:
@@ -727,6 +748,8 @@ def _fit_keys(
         columns = (
             ("1",) + (("x",) if plan.varies_x else ()) + (("m",) if plan.varies_m else ()) + tuple(ranges)
         )
+        if cross and plan.varies_x:
+            columns += tuple(f"x*{v}" for v in columns if v in ("m", "j", "u"))
         rows = [[_env(pt, task)[c] for c in columns] for pt, task in members]
         coef = _solve(rows, [task.live for _, task in members])
         if coef is None:
@@ -740,7 +763,14 @@ def _fit_keys(
 
 
 def _env(point: SamplePoint, task: _Task) -> dict[str, int]:
-    return {"1": 1, "x": point.x, "m": point.m, "p": task.p or 0, "j": task.j or 0, "u": task.u or 0}
+    return with_products(
+        {"1": 1, "x": point.x, "m": point.m, "p": task.p or 0, "j": task.j or 0, "u": task.u or 0}
+    )
+
+
+def with_products(env: dict[str, int]) -> dict[str, int]:
+    """``env`` with the cross columns of a ``cross`` fit (:func:`_fit_all`)."""
+    return {**env, **{f"x*{v}": env["x"] * env[v] for v in ("m", "j", "u")}}
 
 
 def _show(key: tuple) -> str:
@@ -778,8 +808,12 @@ def _best(cands: list[Candidate]) -> Candidate:
     return min(cands, key=lambda c: (-c[0], c[1]))
 
 
-def extrapolate(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan) -> StepFigures:
-    """The job's figures from its sample runs (raises :class:`ShortcutFailed` when a check fails)."""
+def extrapolate(
+    samples: list[tuple[SamplePoint, SampleTable]], plan: Plan, capacity: int | None = None
+) -> StepFigures:
+    """The job's figures from its sample runs (raises :class:`ShortcutFailed` when a check fails); the allocator's
+    reserved and device peaks (against ``capacity``) from the blocks written down from the samples
+    (:mod:`hyperdryrun.search.synthesis`), or None where that fails its checks."""
     keyed = [(pt, _tasks(table, plan, pt)) for pt, table in samples]
     cands = _candidates(_fit_all(keyed, plan), plan)
     total, _, vec, key = _best(cands)
@@ -796,10 +830,22 @@ def extrapolate(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan) -> S
     points = [pt for pt, _ in samples]
     rows = [t.scalars for _, t in samples]
     after = _fit_scalars(points, [row[: 2 + width] for row in rows], plan)
-    # The allocator model's reserved and device peaks are not extrapolated: segment rounding and the per-stream
-    # cache need not follow the blocks' pattern, and an affine fit over the samples was seen to pass its check and
-    # still miss the full run (llama-tiny, 8 layers x 6 micro batches, AC full: 73,400,320 vs 75,497,472 reserved).
-    detail = plan.describe() + "; reserved/device peaks: full runs only"
+    # The allocator model's reserved and device peaks are not extrapolated (segment rounding and the per-stream
+    # cache need not follow the blocks' pattern: an affine fit of them over the samples passed its check and still
+    # missed the full run, llama-tiny, 8 layers x 6 micro batches, AC full: 73,400,320 vs 75,497,472 reserved):
+    # the allocator model replays the whole step's blocks, written down from the samples.
+    from hyperdryrun.search.synthesis import device_peaks, synthesize
+
+    reserved = device = None
+    try:
+        syn = synthesize(samples, plan, total)
+        reserved, device = device_peaks(syn, total, capacity)
+        detail = (
+            plan.describe()
+            + f"; reserved/device peaks: allocator replay of the {len(syn.blocks)} blocks written"
+        )
+    except ShortcutFailed as err:
+        detail = plan.describe() + f"; reserved/device peaks: a full run ({err})"
     return StepFigures(
         peak_bytes=total,
         peak_phase=key[0],
@@ -809,6 +855,8 @@ def extrapolate(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan) -> S
         current_bytes=after[1],
         breakdown_after_step=dict(zip(CATEGORIES, after[2 : 2 + width], strict=True)),
         phases=phases,
+        peak_reserved_bytes=reserved,
+        peak_device_bytes=device,
         method=EXTRAPOLATED,
         detail=detail,
     )
@@ -862,7 +910,7 @@ def step_figures(cfg: JobConfig, shortcut: bool = True, sample: SampleSource | N
     get = sample or run_sample
     samples = [(point, get(sample_config(cfg, plan, point))) for point in plan.points]
     try:
-        return extrapolate(samples, plan)
+        return extrapolate(samples, plan, None if cfg.target is None else cfg.target.capacity_bytes)
     except ShortcutFailed as err:
         return full_figures(cfg, f"extrapolation check failed: {err}")
 

@@ -139,11 +139,15 @@ class CandidateResult:
 
     @property
     def unconfirmed(self) -> list[ClassResult]:
-        """Classes judged on extrapolated figures (allocated bytes only): the device figure needs a full run."""
+        """Classes judged on extrapolated figures without the allocator's peaks (the samples' blocks did not pass
+        the checks of :mod:`hyperdryrun.search.synthesis`): the device figure needs a full run."""
         return [
             c
             for c in self.classes
-            if c.figures is not None and c.figures.method == EXTRAPOLATED and not c.error
+            if c.figures is not None
+            and c.figures.method == EXTRAPOLATED
+            and c.figures.peak_reserved_bytes is None
+            and not c.error
         ]
 
 
