@@ -123,3 +123,13 @@ def test_when_the_fastest_layout_fails_its_confirmation_the_search_goes_on_to_th
     for mbs in (first, second):
         n = len(by_mbs[mbs].classes)
         assert executor.runs.count((mbs, True)) == n and executor.runs.count((mbs, False)) == n
+
+
+def test_progress_names_the_simulations_in_flight():
+    space = SearchSpace(tp=(1,), pp=(1,), micro_batch_sizes=(1, 2), ac=("none",))
+    seen: list[dict] = []
+    outcome = fit(FitJob(BASE_JOB, 2 * GIB, 12, space, top=1), Scripted(), ResultCache(None),
+                  on_progress=lambda o: seen.append(dict(o.running)))  # fmt: skip
+    doing = {v for s in seen for v in s.values()}
+    assert "dp2 1x6 none: rank 0" in doing and "dp2 2x3 none: rank 0 in full" in doing
+    assert outcome.running == {}

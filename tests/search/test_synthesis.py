@@ -17,6 +17,10 @@ from hyperdryrun.trace.blocks import PERSISTENT_END
 from tests.conftest import job
 
 JOBS = {
+    # 1F1B's first of 4 stages: 4 warm-up forwards, whose backwards are steady ones, and 3 late forwards, whose
+    # backwards are cool-down ones (hyperdryrun.search.extrapolate.MicroBatchRegimes)
+    "PP 1F1B first of 4 stages": dict(world__world_size=4, parallel__pp=4, model__n_layers=24,
+                                      training__num_micro_batches=16),
     # 1F1B's warm-up, steady and cool-down micro batches, TP, full AC (recompute), the last stage (the loss)
     "PP 1F1B last stage, TP, AC full": dict(world__world_size=8, world__rank=5, parallel__pp=2, parallel__tp=2,
                                              model__n_layers=12, training__num_micro_batches=12,
@@ -119,3 +123,22 @@ def test_a_made_up_step_is_written_down_as_worked_out_by_hand(monkeypatch):
     short[1][1].blocks.pop(5)
     with pytest.raises(ShortcutFailed, match="a sample has 1 of 2 blocks"):
         synthesize(short, plan, 12 * 1024 + 12 * 512)
+
+
+def test_1f1b_forwards_are_keyed_by_where_their_backward_is():
+    # Stage with 3 warm-up forwards (w = 3) of 10 micro batches: backwards 0..7 are steady (each after forward
+    # k + 3), 8 and 9 cool-down; so forwards 3..7 stretch (their backward steady), 8 and 9 are keyed one by one.
+    r = ex.MicroBatchRegimes(3, 4)
+    assert [r.place("forward", mb, 10) for mb in range(10)] == [
+        (("warm", 0), None), (("warm", 1), None), (("warm", 2), None),
+        (("F", "f", 0), None), (("F", "m"), 1), (("F", "m"), 2), (("F", "m"), 3), (("F", "b", 0), None),
+        (("late", 2), None), (("late", 1), None),
+    ]  # fmt: skip
+    assert [r.place("backward", mb, 10) for mb in range(10)] == [
+        (("B", "f", 0), None), *[(("B", "m"), k) for k in range(1, 7)], (("B", "b", 0), None),
+        (("cool", 2), None), (("cool", 1), None),
+    ]  # fmt: skip
+    assert r.length(("F", "m"), 10) == 5 and r.length(("B", "m"), 10) == 8
+    # Every warm-up forward's backward a middle steady one (k <= m - w - 1) and 3 stretching forwards: m >= 8.
+    assert r.min_micro_batches == 8
+    assert ex.MicroBatchRegimes(1, 4).min_micro_batches == 4

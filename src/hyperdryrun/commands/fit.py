@@ -326,7 +326,8 @@ def run_fit(args: argparse.Namespace) -> int:
 
 
 class _progress:
-    """A live "candidates done/total · pruned · failed · ETA" line on stderr (a terminal only)."""
+    """A live "candidates done/total · fit · oom · pruned · failed · the layout and rank being simulated · ETA" line
+    on stderr (a terminal only)."""
 
     def __init__(self, show: bool) -> None:
         self.show = show
@@ -357,6 +358,9 @@ class _progress:
         c = outcome.counts()
         done = sum(bool(r.status) for r in outcome.results)
         state = f"fit {c['fits']} · oom {c['oom']} · pruned {c['pruned']} · invalid {c['invalid']} · failed {c['failed']}"
+        running = list(outcome.running.values())
+        if running:  # what the workers are simulating now
+            state += f" · {running[0]}" + (f" (+{len(running) - 1})" if len(running) > 1 else "")
         self._progress.update(self._task, total=len(outcome.results), completed=done, state=state)
 
     def __exit__(self, *exc: Any) -> None:

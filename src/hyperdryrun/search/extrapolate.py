@@ -28,6 +28,7 @@ its check and missed), and not the block list: reports (JSON and CSV) come from 
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -262,8 +263,12 @@ class MicroBatchRegimes:
     backward per micro batch (the first allocates the gradients, the last is followed by the optimizer). Else
     torch 2.13 ``Schedule1F1B`` on this rank's stage: forwards 0..w-1 (``w = num_stages - stage``, each with one more
     micro batch in flight) are keyed one by one, then forward ``j`` follows backward ``j - w`` (``w - 1`` in flight),
-    backwards ``0..m-w`` run with ``w`` in flight, the last ``w - 1`` (cool-down) are keyed one by one. Each
-    stretching run keys its first and last ``EDGE`` micro batches by place and the middle ones by index."""
+    backwards ``0..m-w`` run with ``w`` in flight, the last ``w - 1`` (cool-down) are keyed one by one. The
+    forwards are split where their own backward is: ``w..m-w`` (a steady backward) form the stretching run, the last
+    ``w - 1`` (whose backward is a cool-down one) are keyed one by one, and there are enough micro batches that
+    every warm-up forward's backward is a middle steady one, as in the job: so that what a forward allocates is
+    freed at a time that moves with it (:mod:`hyperdryrun.search.synthesis`). Each stretching run keys its first and
+    last ``EDGE`` micro batches by place and the middle ones by index."""
 
     warmup: int = 0
     num_stages: int = 1
@@ -271,7 +276,9 @@ class MicroBatchRegimes:
     @property
     def min_micro_batches(self) -> int:
         """The fewest micro batches with ``2 * EDGE + 1`` in every stretching run (and enough for the schedule)."""
-        return max(self.num_stages, self.warmup + 2 * EDGE + 1)
+        if not self.warmup:
+            return max(self.num_stages, 2 * EDGE + 1)
+        return max(self.num_stages, 2 * self.warmup + 2 * EDGE)
 
     def place(self, phase: str, mb: int, m: int) -> tuple[tuple, int | None]:
         """(key, middle index or None) of micro batch ``mb`` of ``m`` in a task of ``phase``."""
@@ -284,7 +291,9 @@ class MicroBatchRegimes:
         if phase == "forward":
             if mb < w:
                 return ("warm", mb), None
-            place, j = _place(mb - w, m - w, EDGE)
+            if mb > m - w:
+                return ("late", m - mb), None
+            place, j = _place(mb - w, m - 2 * w + 1, EDGE)
             return ("F", *place), j
         if mb <= m - w:
             place, j = _place(mb, m - w + 1, EDGE)
@@ -293,7 +302,7 @@ class MicroBatchRegimes:
 
     def length(self, key: tuple, m: int) -> int:
         """Micro batches in the run of ``key`` for a step of ``m``."""
-        return {"mb": m, "F": m - self.warmup, "B": m - self.warmup + 1}[key[0]]
+        return {"mb": m, "F": m - 2 * self.warmup + 1, "B": m - self.warmup + 1}[key[0]]
 
 
 def micro_batch_regimes(cfg: JobConfig) -> MicroBatchRegimes | None:
@@ -541,9 +550,11 @@ def _solve(rows: list[list[int]], values: list[tuple[int, ...]]) -> list[list[Fr
                 f = ata[r][col]
                 ata[r] = [a - f * b for a, b in zip(ata[r], ata[col], strict=True)]
                 atv[r] = [a - f * b for a, b in zip(atv[r], atv[col], strict=True)]
-    for r, v in zip(rows, values, strict=True):
-        for k in range(width):
-            if sum(r[c] * atv[c][k] for c in range(ncol)) != v[k]:
+    for k in range(width):  # every row, in integers: the coefficients times their common denominator
+        den = math.lcm(*(atv[c][k].denominator for c in range(ncol)))
+        num = [int(atv[c][k] * den) for c in range(ncol)]
+        for r, v in zip(rows, values, strict=True):
+            if sum(r[c] * num[c] for c in range(ncol)) != v[k] * den:
                 return None
     return atv
 

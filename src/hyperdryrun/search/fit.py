@@ -175,6 +175,8 @@ class FitOutcome:
     job: FitJob
     results: list[CandidateResult]
     seconds: float = 0.0
+    running: dict[str, str] = field(default_factory=dict)
+    """The simulations handed to the executor and not yet answered: cache key -> what it is (for progress)."""
 
     def counts(self) -> dict[str, int]:
         out = {"enumerated": len(self.results)}
@@ -259,6 +261,9 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
                 if hit is not None:
                     c.figures, c.cached = StepFigures.from_dict(hit), True
                     continue
+                outcome.running[c.key] = _doing(r, c, "")
+                if on_progress:
+                    on_progress(outcome)
                 yield SimTask(c.key, _rank_job(r.candidate, c.rank_class), job.shortcut, _dir(cache))
             _settle(r, job.capacity_bytes, job.margin_bytes)
             if on_progress:
@@ -273,6 +278,9 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
                     _confirm(c, StepFigures.from_dict(hit), cached=True)
                     continue
                 by_key[key] = (r, c)
+                outcome.running[key] = _doing(r, c, " in full")
+                if on_progress:
+                    on_progress(outcome)
                 yield SimTask(key, _rank_job(r.candidate, c.rank_class), False, _dir(cache))
             _settle(r, job.capacity_bytes, job.margin_bytes)
             if on_progress:
@@ -281,6 +289,7 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
     def run(batch: Iterator[SimTask]) -> None:
         with contextlib.closing(executor.imap(batch)) as results:  # closed: its workers stop at once
             for res in results:
+                outcome.running.pop(res.key, None)
                 r, c = by_key[res.key]
                 if res.error and res.error_kind == BAD_INPUT:
                     # every candidate passed the job's checks: bad input now is not the layout's, it stops the search
@@ -303,6 +312,14 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
             r.status, r.reason, r.classes = SKIPPED, f"not needed: {job.top} faster layouts fit", []
     outcome.seconds = time.perf_counter() - t0
     return outcome
+
+
+def _doing(r: CandidateResult, c: ClassResult, how: str) -> str:
+    lay = r.candidate.layout
+    return (
+        f"{lay.label()} {lay.micro_batch_size}x{lay.num_micro_batches} {lay.ac}: "
+        f"rank {c.rank_class.representative}{how}"
+    )
 
 
 def _key(cfg: Any, c: RankClass, shortcut: bool) -> str:
