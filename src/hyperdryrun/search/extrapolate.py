@@ -27,6 +27,7 @@ its check and missed), and not the block list: reports (JSON and CSV) come from 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -525,38 +526,52 @@ def _tasks(table: SampleTable, plan: Plan, point: SamplePoint) -> list[_Task]:
 
 # ---------------------------------------------------------------------------------------------- exact fitting
 def _solve(rows: list[list[int]], values: list[tuple[int, ...]]) -> list[list[Fraction]] | None:
-    """Coefficients ``c`` with ``rows @ c == values`` exactly (every row), or None: the normal equations solved in
-    rational arithmetic, then every row checked. Needs full column rank and one row more than columns."""
+    """Coefficients ``c`` with ``rows @ c == values`` exactly (every row), or None: the least-squares solution
+    ``(A^T A)^-1 A^T v`` in rational arithmetic (:func:`_projector`, once per design), then every row checked.
+    Needs full column rank and one row more than columns."""
     ncol = len(rows[0])
     if len(rows) < ncol + 1:
         return None
-    width = len(values[0])
-    ata = [[Fraction(sum(r[a] * r[b] for r in rows)) for b in range(ncol)] for a in range(ncol)]
-    atv = [
-        [Fraction(sum(r[a] * v[k] for r, v in zip(rows, values, strict=True))) for k in range(width)]
-        for a in range(ncol)
-    ]
+    proj = _projector(tuple(map(tuple, rows)))
+    if proj is None:
+        return None
+    num_rows, den = proj
+    out: list[list[Fraction]] = [[] for _ in range(ncol)]
+    for k in range(len(values[0])):
+        vk = [v[k] for v in values]
+        num = [sum(n * x for n, x in zip(row, vk, strict=True)) for row in num_rows]
+        for r, x in zip(rows, vk, strict=True):  # every row, in integers: times the common denominator
+            if sum(a * b for a, b in zip(r, num, strict=True)) != x * den:
+                return None
+        for c in range(ncol):
+            out[c].append(Fraction(num[c], den))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _projector(design: tuple[tuple[int, ...], ...]) -> tuple[list[list[int]], int] | None:
+    """``(N, D)`` with ``(A^T A)^-1 A^T == N / D`` for the design ``A`` (integers), or None when its columns are
+    dependent. Many keys share a design (the same samples, layers and micro batches): it is inverted once."""
+    ncol = len(design[0])
+    ata = [[Fraction(sum(r[a] * r[b] for r in design)) for b in range(ncol)] for a in range(ncol)]
+    inv = [[Fraction(int(a == b)) for b in range(ncol)] for a in range(ncol)]
     for col in range(ncol):
         pivot = next((r for r in range(col, ncol) if ata[r][col] != 0), None)
         if pivot is None:
             return None
         ata[col], ata[pivot] = ata[pivot], ata[col]
-        atv[col], atv[pivot] = atv[pivot], atv[col]
-        inv = 1 / ata[col][col]
-        ata[col] = [a * inv for a in ata[col]]
-        atv[col] = [a * inv for a in atv[col]]
+        inv[col], inv[pivot] = inv[pivot], inv[col]
+        f = 1 / ata[col][col]
+        ata[col] = [a * f for a in ata[col]]
+        inv[col] = [a * f for a in inv[col]]
         for r in range(ncol):
             if r != col and ata[r][col] != 0:
-                f = ata[r][col]
-                ata[r] = [a - f * b for a, b in zip(ata[r], ata[col], strict=True)]
-                atv[r] = [a - f * b for a, b in zip(atv[r], atv[col], strict=True)]
-    for k in range(width):  # every row, in integers: the coefficients times their common denominator
-        den = math.lcm(*(atv[c][k].denominator for c in range(ncol)))
-        num = [int(atv[c][k] * den) for c in range(ncol)]
-        for r, v in zip(rows, values, strict=True):
-            if sum(r[c] * num[c] for c in range(ncol)) != v[k] * den:
-                return None
-    return atv
+                g = ata[r][col]
+                ata[r] = [a - g * b for a, b in zip(ata[r], ata[col], strict=True)]
+                inv[r] = [a - g * b for a, b in zip(inv[r], inv[col], strict=True)]
+    proj = [[sum((inv[c][a] * r[a] for a in range(ncol)), Fraction(0)) for r in design] for c in range(ncol)]
+    den = math.lcm(*(x.denominator for row in proj for x in row))
+    return [[int(x * den) for x in row] for row in proj], den
 
 
 @dataclass
