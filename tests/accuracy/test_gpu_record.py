@@ -84,3 +84,25 @@ def test_a_shipped_h200_snapshot_compares_equal_in_allocated_bytes_to_its_dry_ru
     assert result["judged_on"] == "allocated"
     assert result["allocated"]["a"] == result["allocated"]["b"] == 19_404_806_144
     assert result["within_tolerance"]
+
+
+@pytest.mark.slow
+def test_the_exact_shortcut_gives_every_row_s_full_dry_run_figures(results):
+    # What `fit` reads of a rank when it samples instead of simulating the whole step: the tensors' peak and the
+    # allocator model's reserved bytes, replayed on the blocks written down from the samples
+    # (hyperdryrun.search.synthesis), equal to the full dry run's (the fixture's) on each row that has a plan.
+    from hyperdryrun.search.extrapolate import EXTRAPOLATED, plan_for
+    from hyperdryrun.search.shortcut import step_figures
+
+    cal, record, rows = results
+    gpu = record.get("gpu_preset", "h200")
+    planned = 0
+    for (name, over), r in zip(cal.record_rows(record), rows, strict=True):
+        cfg = cal.gpu_config(over, gpu)
+        if plan_for(cfg)[0] is None:
+            continue
+        planned += 1
+        short = step_figures(cfg)
+        assert short.method == EXTRAPOLATED, (name, short.detail)
+        assert (short.peak_bytes, short.peak_reserved_bytes) == (r["dry_peak"], r["dry_reserved"]), name
+    assert planned == 5  # all but p3 (8 layers: its samples would cost more than its step)

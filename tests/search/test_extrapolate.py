@@ -20,8 +20,9 @@ from hyperdryrun.search.extrapolate import (
     full_figures,
     plan_for,
     sample_config,
-    step_figures,
 )
+from hyperdryrun.search.shortcut import step_figures
+from hyperdryrun.search.synthesis import with_device_peaks
 from tests.conftest import job
 
 
@@ -169,7 +170,7 @@ def test_without_the_samples_blocks_the_allocator_figures_are_left_to_full_runs(
         n = plan.run_length(None, point.x)
         rows = [(i, "forward", 0, f"layers.{i}", "mm", (100 + i,) + (0,) * 7) for i in range(n)]
         samples.append((point, _table(rows)))
-    figures = extrapolate(samples, plan)
+    figures = with_device_peaks(extrapolate(samples, plan), samples, plan, None)
     assert figures.peak_bytes == 111
     assert figures.peak_reserved_bytes is None and figures.peak_device_bytes is None
     assert "reserved/device peaks: a full run (the samples carry no blocks" in figures.detail

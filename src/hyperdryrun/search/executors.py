@@ -57,7 +57,7 @@ def run_task(task: SimTask) -> TaskResult:
     from hyperdryrun.config import build_config
     from hyperdryrun.runner import error_kind
     from hyperdryrun.search.cache import ResultCache, versions
-    from hyperdryrun.search.extrapolate import step_figures
+    from hyperdryrun.search.shortcut import step_figures
 
     t0 = time.perf_counter()
     try:

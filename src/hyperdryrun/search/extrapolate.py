@@ -12,17 +12,19 @@ pipeline backward, the pipeline's receive buffers) is keyed by its unit ``u`` th
 Fit and check. Sample runs differ from the job only in layers (``n0 + x``, ``x = 0, 1, 2``) and, where the schedule
 allows, micro batches (``m0, m0+1, m0+2``, plus the cross points ``(1, m0+1)`` and ``(1, m0+2)``). Each key's live
 bytes (the total and every category) are fitted *exactly*, in rational arithmetic, by
-``c0 + c1*x + c2*m + c3*p + c4*j + c5*u`` (the terms its samples vary); every sample must satisfy the fit, with at least one sample more than unknowns (the ``k+2``
-check), every key must occur in every sample, and the result must be whole bytes. The job's peak is then the
+``c0 + c1*x + c2*m + c3*p + c4*j + c5*u`` (the terms its samples vary); every sample must satisfy the fit, with
+at least one sample more than unknowns (the ``k+2`` check), every key must occur in every sample, and the result must be whole bytes. The job's peak is then the
 largest value over the keys at its ``(x, m)``, a middle key taken at both ends of its range (an affine function's
 maximum is at an end), ties broken by time order as the tracker breaks them (the first task reaching the peak).
 Where a check fails, no plan applies, or the samples would cost more than :data:`MIN_SAVING` of the full run,
-:func:`step_figures` runs the full simulation; :attr:`StepFigures.method` and ``detail`` say which and why.
+:func:`hyperdryrun.search.shortcut.step_figures` runs the full simulation; :attr:`StepFigures.method` and
+``detail`` say which and why.
 
 What it reproduces: the summary's peak, its phase and op, its breakdown by category, the bytes before and after the
 step and their breakdown, every phase's peak with its op and breakdown. Not the allocator model's reserved and
-device peaks (left None: segment rounding and per-stream caches are not affine in the layers; an affine fit passed
-its check and missed), and not the block list: reports (JSON and CSV) come from full runs.
+device peaks (segment rounding and per-stream caches are not affine in the layers; an affine fit passed its check
+and missed): :mod:`hyperdryrun.search.synthesis` writes the step's blocks down from the samples for the allocator
+model. Not the reports (JSON and CSV): they come from full runs.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from hyperdryrun.trace.blocks import CATEGORY_ORDER, STEP_PHASES
+from hyperdryrun.trace.blocks import CATEGORY_ORDER, STEP_PHASES, Category
 
 if TYPE_CHECKING:
     from hyperdryrun.config import JobConfig
@@ -378,6 +380,47 @@ def sample_config(cfg: JobConfig, plan: Plan, point: SamplePoint) -> JobConfig:
 
 
 # ---------------------------------------------------------------------------------------------- samples as data
+def block_rows(trace: Any) -> list[tuple]:
+    """What synthesis reads of a trace's blocks, in id order: (id, start, end, requested, size, stream, other
+    streams, category, phase, micro batch, module, op)."""
+    out = []
+    for b in sorted(trace.blocks, key=lambda b: b.id):
+        out.append(
+            (
+                b.id,
+                b.start,
+                b.end,
+                b.requested,
+                b.size,
+                b.stream,
+                sorted(b.use_streams),
+                str(b.category or Category.OTHER),
+                str(b.phase),
+                b.micro_batch,
+                b.module,
+                b.op,
+            )
+        )
+    return out
+
+
+def device_inputs(trace: Any) -> dict[str, Any] | None:
+    """What the allocator stage reads of a trace besides its blocks (``metadata.cuda``), or None (not a CUDA
+    target)."""
+    cuda = (trace.metadata or {}).get("cuda")
+    if not cuda:
+        return None
+    ws = cuda["cublas_workspace"]
+    return {
+        "settings": cuda["allocator"]["settings"],
+        "source": cuda["allocator"]["source"],
+        "workspace_bytes": ws["bytes_per_handle"],
+        "workspaces": [[h["thread"], h["stream"], h["first_task"]] for h in ws["handles"]],
+        "nccl": [cuda["nccl"]["bytes"], cuda["nccl"]["formula"]],
+        "context": [cuda["cuda_context"]["bytes"], cuda["cuda_context"]["source"]],
+    }
+
+
 @dataclass
 class SampleTable:
     """One sample run as plain data, all an extrapolation reads (so that it can be cached): every allocating
@@ -388,10 +431,9 @@ class SampleTable:
     phases: list[str]
     scalars: list[int]
     blocks: list[tuple] | None = None
-    """Every block (:func:`hyperdryrun.search.synthesis.block_rows`), for the allocator's figures."""
+    """Every block (:func:`block_rows`), for the allocator's figures (:mod:`hyperdryrun.search.synthesis`)."""
     device: dict[str, Any] | None = None
-    """The allocator stage's other inputs (:func:`hyperdryrun.search.synthesis.device_inputs`; None: not a CUDA
-    target)."""
+    """The allocator stage's other inputs (:func:`device_inputs`; None: not a CUDA target)."""
 
     @classmethod
     def from_trace(cls, trace: Any) -> SampleTable:
@@ -410,8 +452,6 @@ class SampleTable:
             if b.persistent:
                 after[str(b.category or "Other")] += b.size
         phases = sorted({str(ph) for ph in trace.task_phase})
-        from hyperdryrun.search.synthesis import block_rows, device_inputs
-
         device = device_inputs(trace)
         blocks = block_rows(trace) if device is not None else None
         return cls(rows, phases, [trace.initial, trace.current, *after.values()], blocks, device)
@@ -834,12 +874,9 @@ def _best(cands: list[Candidate]) -> Candidate:
     return min(cands, key=lambda c: (-c[0], c[1]))
 
 
-def extrapolate(
-    samples: list[tuple[SamplePoint, SampleTable]], plan: Plan, capacity: int | None = None
-) -> StepFigures:
-    """The job's figures from its sample runs (raises :class:`ShortcutFailed` when a check fails); the allocator's
-    reserved and device peaks (against ``capacity``) from the blocks written down from the samples
-    (:mod:`hyperdryrun.search.synthesis`), or None where that fails its checks."""
+def extrapolate(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan) -> StepFigures:
+    """The job's figures from its sample runs (raises :class:`ShortcutFailed` when a check fails), without the
+    allocator's reserved and device peaks (:func:`hyperdryrun.search.synthesis.with_device_peaks` adds them)."""
     keyed = [(pt, _tasks(table, plan, pt)) for pt, table in samples]
     cands = _candidates(_fit_all(keyed, plan), plan)
     total, _, vec, key = _best(cands)
@@ -856,22 +893,9 @@ def extrapolate(
     points = [pt for pt, _ in samples]
     rows = [t.scalars for _, t in samples]
     after = _fit_scalars(points, [row[: 2 + width] for row in rows], plan)
-    # The allocator model's reserved and device peaks are not extrapolated (segment rounding and the per-stream
-    # cache need not follow the blocks' pattern: an affine fit of them over the samples passed its check and still
-    # missed the full run, llama-tiny, 8 layers x 6 micro batches, AC full: 73,400,320 vs 75,497,472 reserved):
-    # the allocator model replays the whole step's blocks, written down from the samples.
-    from hyperdryrun.search.synthesis import device_peaks, synthesize
-
-    reserved = device = None
-    try:
-        syn = synthesize(samples, plan, total)
-        reserved, device = device_peaks(syn, total, capacity)
-        detail = (
-            plan.describe()
-            + f"; reserved/device peaks: allocator replay of the {len(syn.blocks)} blocks written"
-        )
-    except ShortcutFailed as err:
-        detail = plan.describe() + f"; reserved/device peaks: a full run ({err})"
+    # The allocator model's reserved and device peaks are not fitted (segment rounding and the per-stream cache
+    # need not follow the blocks' pattern: an affine fit of them over the samples passed its check and still missed
+    # the full run, llama-tiny, 8 layers x 6 micro batches, AC full: 73,400,320 vs 75,497,472 reserved).
     return StepFigures(
         peak_bytes=total,
         peak_phase=key[0],
@@ -881,10 +905,8 @@ def extrapolate(
         current_bytes=after[1],
         breakdown_after_step=dict(zip(CATEGORIES, after[2 : 2 + width], strict=True)),
         phases=phases,
-        peak_reserved_bytes=reserved,
-        peak_device_bytes=device,
         method=EXTRAPOLATED,
-        detail=detail,
+        detail=plan.describe(),
     )
 
 
@@ -923,22 +945,6 @@ def full_figures(cfg: JobConfig, detail: str = "") -> StepFigures:
 
 SampleSource = Callable[["JobConfig"], SampleTable]
 """How a sample is obtained (default :func:`run_sample`; a cache may answer first)."""
-
-
-def step_figures(cfg: JobConfig, shortcut: bool = True, sample: SampleSource | None = None) -> StepFigures:
-    """``cfg``'s rank's step figures: extrapolated from sample runs when :func:`plan_for` finds a plan and every
-    check holds, else one full simulation (``method`` and ``detail`` say which and why)."""
-    if not shortcut:
-        return full_figures(cfg, "shortcut off")
-    plan, why = plan_for(cfg)
-    if plan is None:
-        return full_figures(cfg, why)
-    get = sample or run_sample
-    samples = [(point, get(sample_config(cfg, plan, point))) for point in plan.points]
-    try:
-        return extrapolate(samples, plan, None if cfg.target is None else cfg.target.capacity_bytes)
-    except ShortcutFailed as err:
-        return full_figures(cfg, f"extrapolation check failed: {err}")
 
 
 def compare_figures(a: StepFigures, b: StepFigures) -> list[str]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
@@ -37,6 +37,7 @@ from hyperdryrun.search.extrapolate import (
     SamplePoint,
     SampleTable,
     ShortcutFailed,
+    StepFigures,
     _fit_all,
     _layer_places,
     _solve,
@@ -46,47 +47,6 @@ from hyperdryrun.search.extrapolate import (
 from hyperdryrun.trace.blocks import PERSISTENT_END, Block, Category, Phase
 
 VALUES = ("id", "start", "end", "requested", "size")
-
-
-def block_rows(trace: Any) -> list[tuple]:
-    """What synthesis reads of a trace's blocks, in id order: (id, start, end, requested, size, stream, other
-    streams, category, phase, micro batch, module, op)."""
-    out = []
-    for b in sorted(trace.blocks, key=lambda b: b.id):
-        out.append(
-            (
-                b.id,
-                b.start,
-                b.end,
-                b.requested,
-                b.size,
-                b.stream,
-                sorted(b.use_streams),
-                str(b.category or Category.OTHER),
-                str(b.phase),
-                b.micro_batch,
-                b.module,
-                b.op,
-            )
-        )
-    return out
-
-
-def device_inputs(trace: Any) -> dict[str, Any] | None:
-    """What the allocator stage reads of a trace besides its blocks (``metadata.cuda``), or None (not a CUDA
-    target)."""
-    cuda = (trace.metadata or {}).get("cuda")
-    if not cuda:
-        return None
-    ws = cuda["cublas_workspace"]
-    return {
-        "settings": cuda["allocator"]["settings"],
-        "source": cuda["allocator"]["source"],
-        "workspace_bytes": ws["bytes_per_handle"],
-        "workspaces": [[h["thread"], h["stream"], h["first_task"]] for h in ws["handles"]],
-        "nccl": [cuda["nccl"]["bytes"], cuda["nccl"]["formula"]],
-        "context": [cuda["cuda_context"]["bytes"], cuda["cuda_context"]["source"]],
-    }
 
 
 def _block_tasks(table: SampleTable, plan: Plan, point: SamplePoint) -> list[_Task]:
@@ -266,3 +226,20 @@ def device_peaks(syn: Synthesized, tensor_peak: int, capacity: int | None) -> tu
     options = AllocatorOptions.parse(d["settings"], source=d["source"])
     dm = device_memory(syn.blocks, tensor_peak, workspaces, outside, options, capacity)
     return dm.peak_reserved, dm.peak_device
+
+
+def with_device_peaks(
+    figures: StepFigures, samples: list[tuple[SamplePoint, SampleTable]], plan: Plan, capacity: int | None
+) -> StepFigures:
+    """``figures`` (extrapolated from ``samples``) with the allocator's reserved and device peaks of the blocks
+    written down from the samples, against ``capacity``; where a check fails, without them (None), ``detail`` saying
+    why (a full run is then needed for them)."""
+    try:
+        syn = synthesize(samples, plan, figures.peak_bytes)
+        reserved, device = device_peaks(syn, figures.peak_bytes, capacity)
+    except ShortcutFailed as err:
+        return replace(figures, detail=f"{figures.detail}; reserved/device peaks: a full run ({err})")
+    detail = (
+        f"{figures.detail}; reserved/device peaks: allocator replay of the {len(syn.blocks)} blocks written"
+    )
+    return replace(figures, peak_reserved_bytes=reserved, peak_device_bytes=device, detail=detail)
