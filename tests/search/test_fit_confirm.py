@@ -133,3 +133,20 @@ def test_progress_names_the_simulations_in_flight():
     doing = {v for s in seen for v in s.values()}
     assert "dp2 1x6 none: rank 0" in doing and "dp2 2x3 none: rank 0 in full" in doing
     assert outcome.running == {}
+
+
+def test_the_time_left_is_the_layouts_in_flight_unanswered_classes_at_the_mean_class_time():
+    from hyperdryrun.search.fit import CandidateResult, ClassResult, FitOutcome, eta_in_flight
+
+    fig = StepFigures.from_dict(_figures(EXTRAPOLATED, None))
+
+    def cls(key, seconds=0.0, done=False, cached=False):
+        return ClassResult(None, key, fig if done else None, cached=cached, seconds=seconds)
+
+    # Layout 1 in flight: two classes simulated (10 s, 30 s), two left (one of them running); layout 2: one class
+    # from the cache (its 5 s not a simulation's), one left but not in flight (the search may stop before it).
+    one = CandidateResult(None, "", classes=[cls("a", 10, True), cls("b", 30, True), cls("c"), cls("d")])
+    two = CandidateResult(None, "", classes=[cls("e", 5, True, cached=True), cls("f")])
+    outcome = FitOutcome(None, [one, two], running={"c": "rank 1"})
+    assert eta_in_flight(outcome, workers=2) == 2 * 20 / 2
+    assert eta_in_flight(FitOutcome(None, [two], running={"f": "rank 0"}), workers=2) is None

@@ -305,7 +305,7 @@ def run_fit(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as err:
         return fail(str(err), err, args.debug)
     try:
-        with _progress(not args.quiet and sys.stderr.isatty()) as on_progress:
+        with _progress(not args.quiet and sys.stderr.isatty(), getattr(executor, "jobs", 1)) as on_progress:
             outcome = fit(job, executor, cache, on_progress)
     except ConfigError as err:  # a candidate failed for a reason that is not its layout's
         return fail(str(err), err, args.debug)
@@ -326,11 +326,13 @@ def run_fit(args: argparse.Namespace) -> int:
 
 
 class _progress:
-    """A live "candidates done/total · fit · oom · pruned · failed · the layout and rank being simulated · ETA" line
-    on stderr (a terminal only)."""
+    """A live "candidates done/total · fit · oom · pruned · failed · the layout and rank being simulated · time left
+    for the layouts in flight (:func:`~hyperdryrun.search.fit.eta_in_flight`) · elapsed" line on stderr (a terminal
+    only). A search's total is not known ahead: it stops once ``--top`` layouts fit."""
 
-    def __init__(self, show: bool) -> None:
+    def __init__(self, show: bool, workers: int = 1) -> None:
         self.show = show
+        self.workers = workers
         self._progress: Any = None
         self._task: Any = None
 
@@ -338,15 +340,14 @@ class _progress:
         if not self.show:
             return None
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self._progress = Progress(
             TextColumn("candidates"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[state]}"),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
+            TimeElapsedColumn(),
             console=Console(stderr=True),
             transient=True,
         )
@@ -355,17 +356,26 @@ class _progress:
         return self.update
 
     def update(self, outcome: Any) -> None:
+        from hyperdryrun.search.fit import eta_in_flight
+
         c = outcome.counts()
         done = sum(bool(r.status) for r in outcome.results)
         state = f"fit {c['fits']} · oom {c['oom']} · pruned {c['pruned']} · invalid {c['invalid']} · failed {c['failed']}"
         running = list(outcome.running.values())
-        if running:  # what the workers are simulating now
+        if running:  # what the workers are simulating now, and how long the layouts they belong to will take
             state += f" · {running[0]}" + (f" (+{len(running) - 1})" if len(running) > 1 else "")
+            left = eta_in_flight(outcome, self.workers)
+            if left is not None:
+                state += f" · ~{_duration(left)} left for these layouts"
         self._progress.update(self._task, total=len(outcome.results), completed=done, state=state)
 
     def __exit__(self, *exc: Any) -> None:
         if self._progress is not None:
             self._progress.__exit__(*exc)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 # ------------------------------------------------------------------------------------------------ outputs

@@ -314,6 +314,24 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
     return outcome
 
 
+def eta_in_flight(outcome: FitOutcome, workers: int) -> float | None:
+    """Seconds until the layouts being simulated have every rank class answered: their classes without an answer
+    times the mean time of the classes simulated so far (cached ones left out), over ``workers``; None before any
+    class has been simulated. The layouts after them are not counted: the search stops once ``top`` fit."""
+    done = [
+        c.seconds
+        for r in outcome.results
+        for c in r.classes
+        if (c.figures is not None or c.error) and not c.cached and c.seconds > 0
+    ]
+    if not done:
+        return None
+    keys = set(outcome.running)
+    live = [r for r in outcome.results if any(c.key in keys for c in r.classes)]
+    left = sum(1 for r in live for c in r.classes if c.figures is None and not c.error)
+    return left * (sum(done) / len(done)) / max(workers, 1)
+
+
 def _doing(r: CandidateResult, c: ClassResult, how: str) -> str:
     lay = r.candidate.layout
     return (
