@@ -80,7 +80,7 @@ def test_each_check_refuses_samples_that_do_not_repeat(case):
         synthesize(_tampered(samples, last, end_moved), plan, full.peak)
 
     def nccl_changed(t: SampleTable):
-        t.device = {**t.device, "nccl": [t.device["nccl"][0] + 1, t.device["nccl"][1]]}
+        t.device = {**t.device, "nccl": {**t.device["nccl"], "bytes": t.device["nccl"]["bytes"] + 1}}
 
     with pytest.raises(ShortcutFailed, match="nccl differ"):
         synthesize(_tampered(samples, 0, nccl_changed), plan, full.peak)
@@ -103,8 +103,9 @@ def test_a_made_up_step_is_written_down_as_worked_out_by_hand(monkeypatch):
     cfg = job(world__world_size=2, model__n_layers=12)
     plan, _ = plan_for(cfg)
     assert plan is not None and not plan.varies_m
-    device = {"settings": "", "source": "defaults", "workspace_bytes": 0, "workspaces": [],
-              "nccl": [0, "none"], "context": [0, "none"]}  # fmt: skip
+    device = {"allocator": {"settings": "", "source": "defaults"},
+              "cublas_workspace": {"bytes_per_handle": 0, "handles": []},
+              "nccl": {"bytes": 0, "formula": "none"}, "cuda_context": {"bytes": 0, "source": "none"}}  # fmt: skip
     samples = []
     for point in plan.points:
         n = plan.run_length(None, point.x)

@@ -155,7 +155,7 @@ def _valid_samples(d: dict[str, Any]) -> bool:
 
 
 def _valid_blocks(blocks: Any) -> bool:
-    """:func:`hyperdryrun.search.synthesis.block_rows`: (id, start, end, requested, size, stream, other streams,
+    """:func:`hyperdryrun.search.extrapolate.block_rows`: (id, start, end, requested, size, stream, other streams,
     category, phase, micro batch, module, op) each."""
     from hyperdryrun.trace.blocks import Category, Phase
 
@@ -169,16 +169,21 @@ def _valid_blocks(blocks: Any) -> bool:
 
 
 def _valid_device(d: Any) -> bool:
-    """:func:`hyperdryrun.search.synthesis.device_inputs`."""
+    """:func:`hyperdryrun.search.extrapolate.device_inputs`: the allocator's settings, the cuBLAS handles, the NCCL
+    and CUDA-context bytes."""
+    if not isinstance(d, dict):
+        return False
+    alloc, ws, nccl, ctx = d.get("allocator"), d.get("cublas_workspace"), d.get("nccl"), d.get("cuda_context")
     return (
-        isinstance(d, dict) and _text(d.get("settings")) and _text(d.get("source"))
-        and _count(d.get("workspace_bytes"))
-        and isinstance(ws := d.get("workspaces"), list)
-        and all(isinstance(w, list) and len(w) == 3 and _text(w[0]) and _count(w[1]) and _count(w[2]) for w in ws)
+        isinstance(alloc, dict) and _text(alloc.get("settings")) and _text(alloc.get("source"))
+        and isinstance(ws, dict) and _count(ws.get("bytes_per_handle"))
+        and isinstance(handles := ws.get("handles"), list)
         and all(
-            isinstance(v := d.get(k), list) and len(v) == 2 and _count(v[0]) and _text(v[1])
-            for k in ("nccl", "context")
+            isinstance(h, dict) and _text(h.get("thread")) and _count(h.get("stream")) and _count(h.get("first_task"))
+            for h in handles
         )
+        and isinstance(nccl, dict) and _count(nccl.get("bytes")) and _text(nccl.get("formula"))
+        and isinstance(ctx, dict) and _count(ctx.get("bytes")) and _text(ctx.get("source"))
     )  # fmt: skip
 
 

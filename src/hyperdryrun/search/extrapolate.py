@@ -405,19 +405,20 @@ def block_rows(trace: Any) -> list[tuple]:
 
 
 def device_inputs(trace: Any) -> dict[str, Any] | None:
-    """What the allocator stage reads of a trace besides its blocks (``metadata.cuda``), or None (not a CUDA
-    target)."""
+    """The part of ``metadata.cuda`` that :func:`hyperdryrun.report.build.device_memory_of` reads besides the
+    blocks (allocator settings, cuBLAS handles, NCCL and CUDA-context bytes), or None (not a CUDA target)."""
     cuda = (trace.metadata or {}).get("cuda")
     if not cuda:
         return None
     ws = cuda["cublas_workspace"]
     return {
-        "settings": cuda["allocator"]["settings"],
-        "source": cuda["allocator"]["source"],
-        "workspace_bytes": ws["bytes_per_handle"],
-        "workspaces": [[h["thread"], h["stream"], h["first_task"]] for h in ws["handles"]],
-        "nccl": [cuda["nccl"]["bytes"], cuda["nccl"]["formula"]],
-        "context": [cuda["cuda_context"]["bytes"], cuda["cuda_context"]["source"]],
+        "allocator": {k: cuda["allocator"][k] for k in ("settings", "source")},
+        "cublas_workspace": {
+            "bytes_per_handle": ws["bytes_per_handle"],
+            "handles": [{k: h[k] for k in ("thread", "stream", "first_task")} for h in ws["handles"]],
+        },
+        "nccl": {k: cuda["nccl"][k] for k in ("bytes", "formula")},
+        "cuda_context": {k: cuda["cuda_context"][k] for k in ("bytes", "source")},
     }
 
 
@@ -910,12 +911,18 @@ def extrapolate(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan) -> S
     )
 
 
-def _fit_scalars(points: list[SamplePoint], rows: list[list[int]], plan: Plan) -> list[int]:
+def _fit_scalars(
+    points: list[SamplePoint],
+    rows: list[list[int]],
+    plan: Plan,
+    what: str = "the bytes before or after the step",
+) -> list[int]:
+    """Each column of ``rows`` (one row per sample) fitted exactly over the layers and micro batches, at the job's."""
     columns = ("1",) + (("x",) if plan.varies_x else ()) + (("m",) if plan.varies_m else ())
     design = [[{"1": 1, "x": pt.x, "m": pt.m}[c] for c in columns] for pt in points]
     coef = _solve(design, [tuple(r) for r in rows])
     if coef is None:
-        raise ShortcutFailed("the bytes before or after the step are not affine over the samples")
+        raise ShortcutFailed(f"{what} are not affine over the samples")
     env = {"1": 1, "x": plan.target_x, "m": plan.target_m}
     out = []
     for k in range(len(rows[0])):

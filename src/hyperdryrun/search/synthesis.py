@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from fractions import Fraction
+from types import SimpleNamespace
 from typing import Any
 
 from hyperdryrun.search.extrapolate import (
@@ -39,12 +39,12 @@ from hyperdryrun.search.extrapolate import (
     ShortcutFailed,
     StepFigures,
     _fit_all,
+    _fit_scalars,
     _layer_places,
-    _solve,
     _Task,
     with_products,
 )
-from hyperdryrun.trace.blocks import PERSISTENT_END, Block, Category, Phase
+from hyperdryrun.trace.blocks import PERSISTENT_END, Block, Category, Phase, live_bytes_by_task
 
 VALUES = ("id", "start", "end", "requested", "size")
 
@@ -79,28 +79,23 @@ class Synthesized:
     device: dict[str, Any]
 
 
-def _int(v: Fraction, what: str) -> int:
-    if v.denominator != 1:
-        raise ShortcutFailed(f"{what} extrapolates to a fraction")
-    return int(v)
-
-
 def _instances(fit: Any, env: dict[str, int]) -> Iterator[tuple[int, ...]]:
+    """``fit``'s values at every value of its middle variables in the job's ranges (integer coefficients: in
+    integers; else :meth:`~hyperdryrun.search.extrapolate._Fit.value`, which refuses a fraction)."""
     names = list(fit.ranges)
     spans = [range(fit.ranges[v][0], fit.ranges[v][1] + 1) for v in names]
-    coef = fit.coef
-    integral = all(c.denominator == 1 for row in coef for c in row)
-    icoef = [[int(c) for c in row] for row in coef] if integral else None
+    integral = all(c.denominator == 1 for row in fit.coef for c in row)
+    icoef = [[int(c) for c in row] for row in fit.coef] if integral else None
     for combo in itertools.product(*spans):
         e = with_products({**env, **dict(zip(names, combo, strict=True))})
-        xs = [e[c] for c in fit.columns]
         if icoef is not None:
+            xs = [e[c] for c in fit.columns]
             yield tuple(sum(icoef[c][k] * xs[c] for c in range(len(xs))) for k in range(len(VALUES)))
-        else:
-            yield tuple(
-                _int(sum(coef[c][k] * xs[c] for c in range(len(xs))), "a block's " + VALUES[k])
-                for k in range(len(VALUES))
-            )
+            continue
+        value = fit.value(e)
+        if value is None:
+            raise ShortcutFailed(f"a block of {fit.key[3] or '<outside>'} extrapolates to a fraction")
+        yield value
 
 
 def synthesize(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan, peak_bytes: int) -> Synthesized:
@@ -109,7 +104,7 @@ def synthesize(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan, peak_
     if any(t.blocks is None or t.device is None for _, t in samples):
         raise ShortcutFailed("the samples carry no blocks (not a CUDA target)")
     dev = [t.device for _, t in samples]
-    for name in ("settings", "source", "workspace_bytes", "nccl", "context"):
+    for name in ("allocator", "nccl", "cuda_context"):
         if any(d[name] != dev[0][name] for d in dev):  # type: ignore[index]
             raise ShortcutFailed(f"the samples' {name} differ")
     keyed = [(pt, _block_tasks(t, plan, pt)) for pt, t in samples]
@@ -149,7 +144,7 @@ def synthesize(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan, peak_
     live = _live_peak(blocks)
     if live != peak_bytes:
         raise ShortcutFailed(f"the written blocks peak at {live} B, the extrapolation at {peak_bytes} B")
-    return Synthesized(blocks, {**dev[0], "workspaces": _workspaces(samples, plan)})
+    return Synthesized(blocks, {**dev[0], "cublas_workspace": _workspaces(samples, plan)})
 
 
 def _check_counts(keyed: list[tuple[SamplePoint, list[_Task]]], fits: list[Any], plan: Plan) -> None:
@@ -178,53 +173,31 @@ def _check_counts(keyed: list[tuple[SamplePoint, list[_Task]]], fits: list[Any],
 
 def _live_peak(blocks: list[Block]) -> int:
     """The largest live bytes over the step's tasks (the tracker's peak: blocks alive before the step included)."""
-    delta: dict[int, int] = {}
-    for b in blocks:
-        delta[b.start] = delta.get(b.start, 0) + b.size
-        if b.end != PERSISTENT_END:
-            delta[b.end] = delta.get(b.end, 0) - b.size
-    cur = best = 0
-    for t in sorted(delta):
-        cur += delta[t]
-        best = max(best, cur)
-    return best
+    last = max([b.start for b in blocks] + [b.end for b in blocks if b.end != PERSISTENT_END], default=0)
+    return max(live_bytes_by_task(blocks, last + 1), default=0)
 
 
-def _workspaces(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan) -> list[list[Any]]:
-    """Each cuBLAS handle's (thread, stream, first task) at the job's size (first task fitted over the samples)."""
-    handles = [t.device["workspaces"] for _, t in samples]  # type: ignore[index]
-    if any([h[:2] for h in hs] != [h[:2] for h in handles[0]] for hs in handles):
+def _workspaces(samples: list[tuple[SamplePoint, SampleTable]], plan: Plan) -> dict[str, Any]:
+    """The samples' cuBLAS workspaces with each handle's first matmul at the job's size (fitted over the samples)."""
+    ws = [t.device["cublas_workspace"] for _, t in samples]  # type: ignore[index]
+    same = [(w["bytes_per_handle"], [(h["thread"], h["stream"]) for h in w["handles"]]) for w in ws]
+    if any(x != same[0] for x in same):
         raise ShortcutFailed("the samples' cuBLAS handles differ")
-    columns = ("1",) + (("x",) if plan.varies_x else ()) + (("m",) if plan.varies_m else ())
-    design = [[{"1": 1, "x": pt.x, "m": pt.m}[c] for c in columns] for pt, _ in samples]
-    env = {"1": 1, "x": plan.target_x, "m": plan.target_m}
-    out = []
-    for i, (thread, stream, _) in enumerate(handles[0]):
-        coef = _solve(design, [(hs[i][2],) for hs in handles])
-        if coef is None:
-            raise ShortcutFailed(f"the {thread} thread's first matmul is not affine over the samples")
-        first = _int(
-            sum(coef[c][0] * env[name] for c, name in enumerate(columns)), "a workspace's first task"
-        )
-        out.append([thread, stream, first])
-    return out
+    points = [pt for pt, _ in samples]
+    firsts = [[h["first_task"] for h in w["handles"]] for w in ws]
+    fitted = _fit_scalars(points, firsts, plan, "the cuBLAS handles' first matmuls") if firsts[0] else []
+    handles = [{**h, "first_task": f} for h, f in zip(ws[0]["handles"], fitted, strict=True)]
+    return {**ws[0], "handles": handles}
 
 
 def device_peaks(syn: Synthesized, tensor_peak: int, capacity: int | None) -> tuple[int, int]:
-    """(reserved, device) peaks of the synthesized step, as :func:`hyperdryrun.report.build.device_memory_of`
-    computes them for a full run's trace."""
-    from hyperdryrun.allocator.device import OutsideCost, Workspace, device_memory
-    from hyperdryrun.allocator.options import AllocatorOptions
-    from hyperdryrun.report.build import CONTEXT_LINE, NCCL_LINE
+    """(reserved, device) peaks of the synthesized step: :func:`hyperdryrun.report.build.device_memory_of` on its
+    blocks, as for a full run's trace."""
+    from hyperdryrun.report.build import device_memory_of
 
-    d = syn.device
-    workspaces = [
-        Workspace(f"cuBLAS workspace ({thread} thread)", stream, first, d["workspace_bytes"])
-        for thread, stream, first in d["workspaces"]
-    ]
-    outside = [OutsideCost(NCCL_LINE, *d["nccl"]), OutsideCost(CONTEXT_LINE, *d["context"])]
-    options = AllocatorOptions.parse(d["settings"], source=d["source"])
-    dm = device_memory(syn.blocks, tensor_peak, workspaces, outside, options, capacity)
+    trace = SimpleNamespace(blocks=syn.blocks, peak=tensor_peak, metadata={"cuda": syn.device})
+    dm = device_memory_of(trace, capacity)
+    assert dm is not None
     return dm.peak_reserved, dm.peak_device
 
 
