@@ -143,6 +143,7 @@ class CompiledCode:
         self._bw_regions: dict[str, str] = {}
         """A partitioned backward graph's code -> its region (AOTAutograd compiles backward at its first call)."""
         self._stack: contextlib.ExitStack | None = None
+        self._inductor_entered = False
 
     @property
     def models_flex(self) -> bool:
@@ -158,27 +159,58 @@ class CompiledCode:
             stack.enter_context(PatchSet(torch_compile.fresh_code_state_patches()))
             stack.enter_context(torch.compiler.set_stance("force_eager"))
             stack.enter_context(PatchSet([self._recording_patch(eval_frame)]))
-            stack.enter_context(
-                PatchSet(
-                    torch_compile.inductor_patches(
-                        self._inner_compile, self._partitioned, lambda: bool(self._compiling)
-                    )
-                )
-            )
             stack.enter_context(_hop_rules(self.mode_class))
-            if self.target_device == "cuda":
-                stack.enter_context(PatchSet(torch_compile.async_tp_pass_patches()))
             if self.models_flex:
-                from hyperdryrun.compat.torch_flex import cuda_flex_lowerings, flex_patches
+                from hyperdryrun.compat.torch_flex import flex_patches
 
                 stack.enter_context(PatchSet(flex_patches(self)))
-                stack.enter_context(cuda_flex_lowerings(self.lowered_flex))
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
+    def _inductor_ready(self) -> None:
+        """The dry run's Inductor (:func:`~hyperdryrun.compat.torch_compile.inductor_patches`; for a CUDA target,
+        the async-TP pass as a CUDA build runs it and Inductor's FlexAttention lowerings as their CUDA templates
+        allocate), entered into the world's stack the
+        first time an Inductor region is about to compile, and undone with the rest on exit. Not on entry:
+        importing ``torch._inductor.compile_fx`` and its lowerings costs about 0.8 s CPU (with jinja2's templates),
+        which a step with no compiled region, most steps, would pay for nothing. Entered as on the world's entry:
+        no dispatch or torch-function mode active (the imports' module-level tensors are host tensors, not the
+        step's), the tracker paused."""
+        if self._inductor_entered or self._stack is None:
+            return
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        stack = self._stack
+        tracker = self.tracker()
+        try:
+            with (
+                tracker.paused() if tracker is not None else contextlib.nullcontext(),
+                _disable_current_modes(),
+                torch._C.DisableTorchFunction(),
+            ):
+                self._enter_inductor(stack)
+        finally:
+            self._inductor_entered = True
+
+    def _enter_inductor(self, stack: contextlib.ExitStack) -> None:
+        stack.enter_context(
+            PatchSet(
+                torch_compile.inductor_patches(
+                    self._inner_compile, self._partitioned, lambda: bool(self._compiling)
+                )
+            )
+        )
+        if self.target_device == "cuda":
+            stack.enter_context(PatchSet(torch_compile.async_tp_pass_patches()))
+        if self.models_flex:
+            from hyperdryrun.compat.torch_flex import cuda_flex_lowerings
+
+            stack.enter_context(cuda_flex_lowerings(self.lowered_flex))
+
     def __exit__(self, *exc: Any) -> None:
+        self._inductor_entered = False
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
@@ -202,6 +234,8 @@ class CompiledCode:
             if self.models_flex and name in MODELLED_REGIONS:
                 return None
             backend = torch_compile.inductor_backend(callback)
+            if backend is not None:
+                self._inductor_ready()
             if not torch_compile.fake_mode_active():
                 # real tensors (``hyperdryrun measure``): torch compiles and runs Inductor's kernels for real
                 if backend is None:
