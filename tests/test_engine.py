@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import hyperdryrun
 import hyperdryrun.recipe as recipe
-from hyperdryrun.compat.torch_dtensor import strided_shard_flag_propagation
+from hyperdryrun.compat.torch_dtensor import foreach_strategy_expansion, strided_shard_flag_propagation
 from hyperdryrun.engine import JobPlan, SimulationError, job_plan, micro_batch_step, prepare, simulate_plan
 from hyperdryrun.measure.step import measure_job, measure_plan
 from hyperdryrun.report import build_report
@@ -186,21 +186,25 @@ def test_a_torch_without_strided_shard_flag_propagation_gets_no_speedup(monkeypa
     from hyperdryrun.compat import torch_dtensor
 
     monkeypatch.setattr(torch_dtensor, "strided_shard_flag_propagation", lambda: None)
+    assert "_propagate_use_strided_shard_flag" not in {p.name for p in engine.dtensor_speedups()}
+    monkeypatch.setattr(torch_dtensor, "foreach_strategy_expansion", lambda: None)
     assert engine.dtensor_speedups() == []
 
 
-@pytest.mark.skipif(
-    strided_shard_flag_propagation() is None,
-    reason=f"torch {torch.__version__} has no such function to patch",
-)
-def test_dtensor_speedup_patch_undone_after_run_and_after_failure():
+def test_dtensor_speedup_patches_undone_after_run_and_after_failure():
     import torch.distributed.tensor._sharding_prop as sharding_prop
 
-    from hyperdryrun import simulate
+    from hyperdryrun import engine, simulate
 
-    original = sharding_prop._propagate_use_strided_shard_flag
+    names = ("_propagate_use_strided_shard_flag", "_expand_single_dim_strategy_to_mesh")
+    assert {p.name for p in engine.dtensor_speedups()} == {n for n in names if hasattr(sharding_prop, n)}
+
+    def patched():
+        return {name: getattr(sharding_prop, name, None) for name in names}
+
+    original = patched()
     dry_run(world__world_size=2)
-    assert sharding_prop._propagate_use_strided_shard_flag is original
+    assert patched() == original
 
     def boom(model, batch):
         raise RuntimeError("loss exploded")
@@ -209,7 +213,69 @@ def test_dtensor_speedup_patch_undone_after_run_and_after_failure():
         simulate(
             lambda: torch.nn.Linear(4, 4), lambda i, d: torch.ones(2, 4, device=d), loss_fn=boom, world_size=2
         )
-    assert sharding_prop._propagate_use_strided_shard_flag is original
+    assert patched() == original
+
+
+def _foreach_ops_expand_single_dim_strategies() -> bool:
+    """Whether DTensor propagates AdamW's foreach ops through single-dim strategies, which the speed-up expands
+    (torch 2.12 and later; 2.11 has list strategies of its own for them, and the patch changes nothing there)."""
+    from torch.distributed.tensor import DTensor
+
+    funcs = DTensor._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
+    return foreach_strategy_expansion() is not None and torch.ops.aten._foreach_add_.List in funcs
+
+
+@pytest.mark.skipif(
+    not _foreach_ops_expand_single_dim_strategies(),
+    reason=f"torch {torch.__version__} expands no foreach strategy per element",
+)
+@pytest.mark.parametrize(
+    "parallel", [{"dp_shard": 4}, {"dp_shard": 2, "tp": 2}], ids=["fsdp", "fsdp-over-tp-strided"]
+)
+def test_foreach_strategies_expanded_once_per_distinct_element_are_torchs_own_for_every_element(
+    monkeypatch, parallel
+):
+    """Every foreach op's strategy the speed-up gives (one expansion per distinct element, shared) equals torch's
+    own unpatched expansion of every element, child by child, costs included; and it did share (fewer distinct
+    strategies than elements: llama-tiny's two layers have equal shards). FSDP over TP gives _StridedShard
+    inputs."""
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+
+    from hyperdryrun import engine
+    from hyperdryrun.compat import torch_dtensor
+    from hyperdryrun.patches import Patch
+
+    original = sharding_prop._expand_single_dim_strategy_to_mesh
+    checked: list[tuple[int, int]] = []
+
+    def costs(strategy):
+        return [[spec.redistribute_cost for spec in child.strategies] for child in strategy.children]
+
+    def checking() -> list[Patch]:
+        (speedup,) = torch_dtensor.foreach_strategy_patches()
+
+        def expand(mesh, op_schema, info, meta):
+            fast = speedup.new(mesh, op_schema, info, meta)
+            if getattr(fast, "__name__", None) != "expanded_foreach_strategy":
+                return fast
+
+            def both(op, args, kwargs):
+                got = fast(op, args, kwargs)
+                want = original(mesh, op_schema, info, meta)(op, args, kwargs)
+                assert list(got.children) == list(want.children)
+                assert costs(got) == costs(want)
+                checked.append((len(want.children), len({id(c) for c in got.children})))
+                return got
+
+            return both
+
+        return [Patch(sharding_prop, "_expand_single_dim_strategy_to_mesh", expand, reason="test")]
+
+    monkeypatch.setattr(engine, "dtensor_speedups", checking)
+    dry_run(world__world_size=4, parallel=parallel)
+    assert checked, "AdamW's foreach ops propagated through the speed-up"
+    assert any(distinct < elements for elements, distinct in checked)
+    assert sharding_prop._expand_single_dim_strategy_to_mesh is original
 
 
 def test_what_torch_logs_at_warning_during_the_step_goes_to_the_limitations_and_its_handlers_come_back(capfd):

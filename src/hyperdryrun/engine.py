@@ -115,9 +115,10 @@ def checked_loss(loss: Any) -> torch.Tensor:
 
 def dtensor_speedups() -> list[Patch]:
     """Patches that make torch's DTensor sharding propagation cheaper without changing any result
-    (:func:`hyperdryrun.compat.torch_dtensor.strided_shard_flag_patches`; none where the release lacks what they
+    (:func:`hyperdryrun.compat.torch_dtensor.strided_shard_flag_patches`,
+    :func:`~hyperdryrun.compat.torch_dtensor.foreach_strategy_patches`; none where the release lacks what they
     speed up)."""
-    return torch_dtensor.strided_shard_flag_patches()
+    return [*torch_dtensor.strided_shard_flag_patches(), *torch_dtensor.foreach_strategy_patches()]
 
 
 def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
