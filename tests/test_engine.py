@@ -278,6 +278,46 @@ def test_foreach_strategies_expanded_once_per_distinct_element_are_torchs_own_fo
     assert sharding_prop._expand_single_dim_strategy_to_mesh is original
 
 
+@pytest.mark.parametrize(
+    "parallel", [{"dp_shard": 4}, {"dp_shard": 2, "tp": 2}], ids=["fsdp", "fsdp-over-tp-strided"]
+)
+def test_foreach_output_metadata_from_distinct_elements_is_torchs_own_for_every_element(monkeypatch, parallel):
+    """DTensor's global-shape shape inference of a foreach op, run by the world on one element per distinct
+    element and spread back, equals torch's own run over every element (its unpatched function, in a fresh fake
+    mode); and some op was shared."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from hyperdryrun.compat import torch_dtensor
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+    distinct = torch_dtensor._distinct_foreach_elements
+    checked: list[tuple[int, int]] = []
+    lists: list[int] = []  # out-of-place foreach ops (AdamW's _foreach_sqrt ...): metadata per element
+
+    def checking(op_schema):
+        found = distinct(op_schema)
+        if found is not None:
+            reduced, slots = found
+            propagator = DTensor._op_dispatcher.sharding_propagator
+            with _disable_current_modes():
+                want = original(propagator, op_schema)
+                got = original(propagator, reduced)
+            if want is not None:
+                assert type(got)(got[j] for j in slots) == want
+                lists.append(len(want))
+            else:
+                assert got is None
+            checked.append((len(slots), max(slots) + 1))
+        return found
+
+    monkeypatch.setattr(torch_dtensor, "_distinct_foreach_elements", checking)
+    dry_run(world__world_size=4, parallel=parallel)
+    assert any(distinct_count < count for count, distinct_count in checked)
+    assert lists
+
+
 def test_what_torch_logs_at_warning_during_the_step_goes_to_the_limitations_and_its_handlers_come_back(capfd):
     """torch._logging gives ``torch`` and its registered loggers stderr handlers of their own (propagate off);
     inside the simulation a WARNING they log is a limitation line, counted, and nothing reaches the terminal."""
