@@ -150,3 +150,31 @@ def test_the_time_left_is_the_layouts_in_flight_unanswered_classes_at_the_mean_c
     outcome = FitOutcome(None, [one, two], running={"c": "rank 1"})
     assert eta_in_flight(outcome, workers=2) == 2 * 20 / 2
     assert eta_in_flight(FitOutcome(None, [two], running={"f": "rank 0"}), workers=2) is None
+
+
+class OverOnDevice:
+    """Scripted: rank 0 is extrapolated at 1 GiB allocated with a 3 GiB device figure from its written blocks;
+    every other rank at 1 GiB on both."""
+
+    def __init__(self) -> None:
+        self.ranks: list[int] = []
+
+    def imap(self, tasks):
+        for task in tasks:
+            rank = task.job["world"]["rank"]
+            self.ranks.append(rank)
+            yield TaskResult(task.key, _figures(EXTRAPOLATED, (3 if rank == 0 else 1) * GIB), versions={})
+
+
+def test_one_stage_over_the_capacity_on_the_device_figure_settles_the_layout_without_its_other_stages():
+    # Two pipeline stages, two rank classes (0 and 1). Allocated bytes (1 GiB) fit the 2 GiB; rank 0's device
+    # figure (3 GiB) does not, and every figure the verdict can read includes it: the layout is an OOM on rank 0,
+    # and rank 1 is never simulated (before, a layout was only cut short on allocated bytes).
+    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1,), ac=("none",))
+    executor = OverOnDevice()
+    outcome = fit(FitJob(BASE_JOB, 2 * GIB, 12, space, top=1), executor, ResultCache(None))
+    (r,) = outcome.results
+    assert [c.rank_class.representative for c in r.classes] == [0, 1]
+    assert executor.ranks == [0]
+    assert r.status == OOM and r.reason == "rank 0: device peak 3.00 GiB > 2.00 GiB"
+    assert outcome.ranked() == []

@@ -98,11 +98,15 @@ class CandidateResult:
         return bool(self.classes) and all(c.figures is not None or c.error for c in self.classes)
 
     def over(self, capacity: int) -> ClassResult | None:
-        """A class already known to exceed ``capacity`` on allocated bytes, which every other figure includes (the
-        candidate cannot fit, whatever the others give)."""
-        return next(
-            (c for c in self.classes if c.figures is not None and c.figures.peak_bytes > capacity), None
-        )
+        """The class known to exceed ``capacity`` by the most, on its own most complete figure (device, else
+        reserved, else allocated), or None: the candidate cannot fit, whatever the others give. The verdict reads
+        the figure every class has, and a layout that would enter the table is judged on the device figure of every
+        class (its extrapolated classes' from written blocks or a full run, step 4), which includes the reserved
+        and the allocated bytes; so one class over the capacity on any of them settles the layout as an OOM, and
+        its other classes are not run (a 70B layout whose first stage fits on allocated bytes and not on the
+        device figure ran its seven other stages before)."""
+        over = [c for c in self.classes if c.figures is not None and verdict_bytes(c.figures) > capacity]
+        return max(over, key=lambda c: (verdict_bytes(c.figures), -c.rank_class.representative), default=None)
 
     @property
     def basis(self) -> str:
@@ -272,6 +276,8 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
     def confirmations(todo: list[CandidateResult]) -> Iterator[SimTask]:
         for r in todo:
             for c in r.unconfirmed:
+                if r.over(job.capacity_bytes):
+                    break  # as in tasks(): one class over the capacity settles the layout
                 key = _key(r.candidate.cfg, c.rank_class, shortcut=False)
                 hit = cache.get("figures", key)
                 if hit is not None:
@@ -385,7 +391,7 @@ def _settle(r: CandidateResult, capacity: int, margin: int) -> None:
     not run then stay without figures)."""
     over = r.over(capacity)
     if over is not None and not any(c.error for c in r.classes):
-        _verdict(r, r.worst or over, capacity, margin)
+        _verdict(r, over, capacity, margin, basis=verdict_figure(over.figures))
         return
     if not r.done:
         return
@@ -399,9 +405,10 @@ def _settle(r: CandidateResult, capacity: int, margin: int) -> None:
     _verdict(r, worst, capacity, margin)
 
 
-def _verdict(r: CandidateResult, worst: ClassResult, capacity: int, margin: int) -> None:
+def _verdict(r: CandidateResult, worst: ClassResult, capacity: int, margin: int, basis: str | None = None) -> None:
+    """``r``'s status and reason from ``worst``'s peak on ``basis`` (default: the figure every class has)."""
     assert worst.figures is not None
-    basis = r.basis
+    basis = basis or r.basis
     peak = verdict_bytes(worst.figures, basis)
     word = verdict_word(peak, capacity, margin)
     r.status = {verdict.FITS: FITS, verdict.AT_RISK: AT_RISK, verdict.OOM: OOM}[word]
