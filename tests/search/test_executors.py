@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from hyperdryrun.search.executors import InlineExecutor, LocalExecutor, SimTask, executor_for, run_task
+from hyperdryrun.search.executors import WAIT, InlineExecutor, LocalExecutor, SimTask, executor_for, run_task
 from tests.conftest import job
 
 
@@ -36,6 +36,48 @@ def test_local_worker_processes_give_the_same_figures(here):
     got = {r.key: r.figures for r in LocalExecutor(2).imap(_tasks())}
     assert got == here
     assert here["rank0"]["peak_bytes"] != here["rank2"]["peak_bytes"]  # uneven shards: two different answers
+
+
+def _waiting(tasks: list[SimTask], answered: list[str], asked: list[int]):
+    """A task source that starts the first task, then waits (WAIT) until it has an answer, then starts the rest;
+    ``asked`` records how many answers there were each time it was asked for a task."""
+    first, *rest = tasks
+    asked.append(len(answered))
+    yield first
+    while not answered:
+        asked.append(len(answered))
+        yield WAIT
+    for task in rest:
+        asked.append(len(answered))
+        yield task
+
+
+def _imap_waiting(executor) -> tuple[dict, list[int]]:
+    answered: list[str] = []
+    asked: list[int] = []
+    got = {}
+    for r in executor.imap(_waiting(_tasks(), answered, asked)):
+        answered.append(r.key)
+        got[r.key] = r.figures
+    return got, asked
+
+
+def test_a_source_that_waits_is_asked_again_after_the_next_answer(here):
+    # Two workers, one of them idle: WAIT is not the end of the tasks; the source is asked once more after the
+    # first answer and starts the second task then.
+    got, asked = _imap_waiting(LocalExecutor(2))
+    assert got == here
+    assert asked == [0, 0, 1]
+
+
+def test_a_source_that_waits_with_nothing_in_flight_is_an_error():
+    def waits():
+        yield WAIT
+
+    with pytest.raises(RuntimeError, match="no task in flight"):
+        list(LocalExecutor(2).imap(waits()))
+    with pytest.raises(RuntimeError, match="no task in flight"):
+        list(InlineExecutor().imap(waits()))
 
 
 def test_stopping_early_stops_the_workers():
@@ -67,9 +109,11 @@ def test_ray_executor_on_a_local_ray_instance(here):
             executor = RayExecutor()
             assert executor.jobs == 2
             got = {r.key: r.figures for r in executor.imap(_tasks())}
+            waited, asked = _imap_waiting(executor)
         finally:
             ray.shutdown()
-    assert got == here
+    assert got == here and waited == here
+    assert asked == [0, 0, 1]
 
 
 def test_ray_needs_an_address_when_not_connected(monkeypatch):

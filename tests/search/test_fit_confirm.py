@@ -11,7 +11,7 @@ from hyperdryrun.config import build_config
 from hyperdryrun.recipe import run_job
 from hyperdryrun.report.build import build_report
 from hyperdryrun.search.cache import ResultCache
-from hyperdryrun.search.executors import InlineExecutor, TaskResult
+from hyperdryrun.search.executors import WAIT, InlineExecutor, TaskResult
 from hyperdryrun.search.extrapolate import EXTRAPOLATED, FULL, PhasePeak, StepFigures
 from hyperdryrun.search.fit import FITS, OOM, FitJob, fit
 from hyperdryrun.search.space import SearchSpace, base_job
@@ -178,3 +178,115 @@ def test_one_stage_over_the_capacity_on_the_device_figure_settles_the_layout_wit
     assert executor.ranks == [0]
     assert r.status == OOM and r.reason == "rank 0: device peak 3.00 GiB > 2.00 GiB"
     assert outcome.ranked() == []
+
+
+class TwoAtOnce:
+    """A pool of two workers, scripted: it starts what the search hands it until two tasks are in flight (or the
+    search yields WAIT or has nothing left), then answers the oldest one. ``gib(first, rank)``: the peak (allocated
+    and device) of ``rank`` of the first layout dry-run (``first``) or of another, in GiB (default: the first
+    layout's rank 0 at 3 GiB, every other rank at 1 GiB)."""
+
+    def __init__(self, gib=lambda first, rank: 3 if (first, rank) == (True, 0) else 1) -> None:
+        # (micro batch size, rank), in the order the search started them
+        self.started: list[tuple[int, int]] = []
+        self.first: int | None = None
+        self.gib = gib
+
+    def imap(self, tasks):
+        pending, flight, exhausted = iter(tasks), [], False
+        while True:
+            while not exhausted and len(flight) < 2:
+                task = next(pending, None)
+                if task is None:
+                    exhausted = True
+                elif task is WAIT:
+                    break
+                else:
+                    mbs, rank = task.job["training"]["micro_batch_size"], task.job["world"]["rank"]
+                    self.first = mbs if self.first is None else self.first
+                    self.started.append((mbs, rank))
+                    flight.append(task)
+            if not flight:
+                return
+            task = flight.pop(0)
+            mbs, rank = task.job["training"]["micro_batch_size"], task.job["world"]["rank"]
+            peak = int(self.gib(mbs == self.first, rank) * GIB)
+            yield TaskResult(task.key, _figures(EXTRAPOLATED, peak) | {"peak_bytes": peak}, versions={})
+
+
+def test_while_a_layouts_first_stage_runs_a_free_worker_takes_the_next_layouts_first_stage():
+    # Two 2-stage layouts, two workers. The fastest layout's first stage is over the capacity: it is the only class
+    # of that layout simulated; the second worker took the next layout's first stage meanwhile, and that layout's
+    # last stage started once its first was known to fit. Before, the second worker ran the first layout's last
+    # stage, which its first stage's answer made unnecessary.
+    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1, 2), ac=("none",))
+    pool = TwoAtOnce()
+    outcome = fit(FitJob(BASE_JOB, 2 * GIB, 12, space, top=1), pool, ResultCache(None))
+    first, second = pool.first, 3 - pool.first
+    assert pool.started == [(first, 0), (second, 0), (second, 1)]
+    by_mbs = {r.candidate.layout.micro_batch_size: r for r in outcome.results}
+    assert by_mbs[first].status == OOM and by_mbs[first].reason == "rank 0: device peak 3.00 GiB > 2.00 GiB"
+    assert by_mbs[second].status == FITS
+    assert outcome.ranked() == [by_mbs[second]] and outcome.running == {}
+
+
+def test_once_a_layouts_first_stage_fits_its_other_stages_run_and_nothing_of_a_slower_layout():
+    # The same two layouts, all of whose ranks fit: the second worker took the slower layout's first stage while the
+    # fastest layout's ran; once that fit, the fastest layout's last stage ran, not the slower one's. The fastest
+    # fits, so the slower is not needed: stopped after one class, no peak of its own in the results.
+    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1, 2), ac=("none",))
+    pool = TwoAtOnce(lambda first, rank: 1)
+    outcome = fit(FitJob(BASE_JOB, 2 * GIB, 12, space, top=1), pool, ResultCache(None))
+    first, second = pool.first, 3 - pool.first
+    assert pool.started == [(first, 0), (second, 0), (first, 1)]
+    by_mbs = {r.candidate.layout.micro_batch_size: r for r in outcome.results}
+    assert by_mbs[first].status == FITS and outcome.ranked() == [by_mbs[first]]
+    slower = by_mbs[second]
+    assert slower.status == "skipped" and slower.classes == [] and slower.stopped == 1
+    assert slower.reason == "not needed: 1 faster layouts fit (stopped after 1 of its 2 rank classes)"
+    counts = outcome.counts()
+    assert counts["rank_classes"] == 2 and counts["stopped_classes"] == 1 and counts["skipped"] == 1
+
+
+def test_a_layout_within_the_margin_on_one_stage_waits_while_another_fits_with_margin():
+    # 2 GiB, 1 GiB margin. The fastest layout's first stage is at 1.5 GiB: at risk or worse, it cannot count
+    # towards --top 1, so its last stage waits; the slower layout fits with margin (0.5 GiB everywhere) and the
+    # search ends without the waiting stage (before, it ran, to rank a layout at risk the table does not show).
+    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1, 2), ac=("none",))
+    pool = TwoAtOnce(lambda first, rank: 1.5 if (first, rank) == (True, 0) else 0.5)
+    job = FitJob(BASE_JOB, 2 * GIB, 12, space, top=1, margin_bytes=GIB)
+    outcome = fit(job, pool, ResultCache(None))
+    first, second = pool.first, 3 - pool.first
+    assert pool.started == [(first, 0), (second, 0), (second, 1)]
+    by_mbs = {r.candidate.layout.micro_batch_size: r for r in outcome.results}
+    assert by_mbs[second].status == FITS and outcome.ranked() == [by_mbs[second]]
+    waited = by_mbs[first]
+    assert waited.status == "skipped" and waited.classes == [] and waited.stopped == 1
+    assert waited.reason == (
+        "not needed: rank 0's device peak 1.50 GiB is within the 1.00 GiB margin under 2.00 GiB; 1 layouts fit "
+        "with margin (stopped after 1 of its 2 rank classes)"
+    )
+
+
+def test_when_fewer_layouts_fit_with_margin_than_top_the_waiting_layouts_are_run_out_and_ranked_at_risk():
+    # Every layout's first stage is within the margin: none fits with margin, so the table ranks those at risk,
+    # and each needs its every class: the same statuses as a search that runs every layout out (--top 0).
+    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1, 2), ac=("none",))
+
+    def gib(first, rank):
+        return 1.5 if rank == 0 else (1.75 if first else 0.5)
+
+    results = {}
+    for top in (1, 0):
+        pool = TwoAtOnce(gib)
+        outcome = fit(
+            FitJob(BASE_JOB, 2 * GIB, 12, space, top=top, margin_bytes=GIB), pool, ResultCache(None)
+        )
+        assert sorted(pool.started) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+        results[top] = [(r.status, r.reason) for r in outcome.ranked()]
+    # Fastest first: the first layout dry-run, whose worst rank is its last stage, then the other.
+    assert results[0] == [
+        ("at_risk", "rank 1: device peak 1.75 GiB <= 2.00 GiB, within the 1.00 GiB margin"),
+        ("at_risk", "rank 0: device peak 1.50 GiB <= 2.00 GiB, within the 1.00 GiB margin"),
+    ]
+    assert results[1] == results[0][:1]

@@ -566,6 +566,11 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
                 if c["confirmed"]
                 else ""
             )
+            + (
+                f"; {c['stopped_classes']} more for layouts stopped part-way (not needed)"
+                if c["stopped_classes"]
+                else ""
+            )
             + f" · {outcome.seconds:,.1f} s"
         )
         for p in written or []:

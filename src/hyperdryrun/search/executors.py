@@ -4,7 +4,9 @@ A task is one rank class of one candidate: the job config of the class's represe
 the exact shortcut may be used, and where samples may be cached. Its result is the rank's step figures
 (:class:`hyperdryrun.search.extrapolate.StepFigures` as a dict, with the method and versions that produced it) or a
 one-line error. Every executor has ``imap(tasks)``: it pulls tasks lazily (so a search can stop asking), runs up to
-``jobs`` at once and yields results as they finish, in any order; closing the iterator stops the work.
+``jobs`` at once and yields results as they finish, in any order; closing the iterator stops the work. A task
+source may yield :data:`WAIT` while tasks are in flight: it has nothing to start until one of them answers (the
+search's next task may depend on it), and is asked again after the next result.
 
 Local workers are persistent spawned processes (imports, fake-tensor and DTensor caches stay warm from one task to
 the next); a worker ignores Ctrl-C (this process stops it) and dies with this process. On Ray each task is one
@@ -27,6 +29,15 @@ from typing import Any
 
 from hyperdryrun.report.build import one_line
 from hyperdryrun.runner import bind_to_parent, stop_signals_blocked
+
+
+class _Wait:
+    def __repr__(self) -> str:
+        return "WAIT"
+
+
+WAIT = _Wait()
+"""Yielded by a task source in place of a task: nothing to start until a task in flight answers."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +102,10 @@ class InlineExecutor:
 
     jobs = 1
 
-    def imap(self, tasks: Iterable[SimTask]) -> Iterator[TaskResult]:
+    def imap(self, tasks: Iterable[SimTask | _Wait]) -> Iterator[TaskResult]:
         for task in tasks:
+            if task is WAIT:  # nothing is ever in flight here when the source is asked
+                raise RuntimeError("a task source waited with no task in flight")
             yield run_task(task)
 
 
@@ -104,7 +117,7 @@ class LocalExecutor:
             raise ValueError(f"jobs: must be >= 1 (got {jobs})")
         self.jobs = jobs
 
-    def imap(self, tasks: Iterable[SimTask]) -> Iterator[TaskResult]:
+    def imap(self, tasks: Iterable[SimTask | _Wait]) -> Iterator[TaskResult]:
         import multiprocessing
         from multiprocessing.connection import wait
 
@@ -121,10 +134,14 @@ class LocalExecutor:
                     if task is None:
                         exhausted = True
                         break
+                    if task is WAIT:
+                        break  # asked again after the next result
                     conn = idle.pop() if idle else self._start(ctx, procs)
                     conn.send(task)
                     busy[conn] = (procs[conn], task)
                 if not busy:
+                    if not exhausted:
+                        raise RuntimeError("a task source waited with no task in flight")
                     return
                 for conn in wait(list(busy)):
                     proc, task = busy.pop(conn)
@@ -214,7 +231,7 @@ class RayExecutor:
         self.jobs = jobs or max(1, int(ray.cluster_resources().get("CPU", 1)))
         self._remote = ray.remote(num_cpus=1, max_retries=0)(run_task)
 
-    def imap(self, tasks: Iterable[SimTask]) -> Iterator[TaskResult]:
+    def imap(self, tasks: Iterable[SimTask | _Wait]) -> Iterator[TaskResult]:
         ray = self._ray
         pending = iter(tasks)
         in_flight: dict[Any, SimTask] = {}
@@ -226,8 +243,12 @@ class RayExecutor:
                     if task is None:
                         exhausted = True
                         break
+                    if task is WAIT:
+                        break  # asked again after the next result
                     in_flight[self._remote.remote(task)] = task
                 if not in_flight:
+                    if not exhausted:
+                        raise RuntimeError("a task source waited with no task in flight")
                     return
                 ready, _ = ray.wait(list(in_flight), num_returns=1)
                 for ref in ready:

@@ -8,7 +8,11 @@
 3. Dry-run the rest, fastest first, one representative rank per rank class (:mod:`hyperdryrun.search.classes`),
    each through the exact shortcut where it holds (:mod:`hyperdryrun.search.extrapolate`), answered from the cache
    when the same rank of the same job ran before; with ``top`` > 0 the search stops once the ``top`` fastest layouts
-   that fit are known (slower ones cannot enter the table).
+   that fit are known (slower ones cannot enter the table). A layout's first class (its first pipeline stage)
+   runs before its others, and one class over the capacity settles the layout as an OOM: while a first class runs,
+   a free worker takes the next layout's first class rather than a class that answer may make unnecessary. A
+   layout with a class within the margin cannot count towards ``top``: its other classes wait, and run only if
+   fewer than ``top`` layouts fit with margin (the table then ranks layouts at risk after them).
 4. Confirm on the device figure: an extrapolated class has allocated bytes only (the allocator model's reserved and
    device peaks are not affine in the layers), so every such class of a layout that fits on them and would enter the
    table is run again in full; a layout that then exceeds the capacity is an OOM, and step 3 goes on with the next.
@@ -35,7 +39,7 @@ from hyperdryrun.runner import BAD_INPUT
 from hyperdryrun.search.bounds import StateBound, worst_state_bound
 from hyperdryrun.search.cache import ResultCache, job_key, versions
 from hyperdryrun.search.classes import RankClass, rank_classes
-from hyperdryrun.search.executors import SimTask, TaskResult
+from hyperdryrun.search.executors import WAIT, SimTask, TaskResult
 from hyperdryrun.search.extrapolate import EXTRAPOLATED, StepFigures
 from hyperdryrun.search.roofline import Rates, StepTime, step_time
 from hyperdryrun.search.space import DEFAULT_TOP, Candidate, SearchSpace, candidates
@@ -92,6 +96,13 @@ class CandidateResult:
     time: StepTime | None = None
     bound: StateBound | None = None
     classes: list[ClassResult] = field(default_factory=list)
+    deferred: str = ""
+    """Why the layout's other classes wait: a class within the margin (or over it on a figure the final verdict may
+    not read) shows it cannot fit with margin, so it cannot count towards ``top``; its exact status (at risk or
+    OOM) matters only if fewer than ``top`` layouts fit with margin, and is then run out at the end."""
+    stopped: int = 0
+    """Classes simulated before the search found it not needed (they ran beside a faster layout that then fit);
+    its ``classes`` are cleared then, as no peak of the layout is known."""
 
     @property
     def done(self) -> bool:
@@ -192,6 +203,7 @@ class FitOutcome:
         out["extrapolated"] = sum(1 for r in ran for m in r.methods if m == EXTRAPOLATED) + confirmed
         out["confirmed"] = confirmed
         out["rank_classes"] = sum(len(r.simulated_classes) for r in ran)
+        out["stopped_classes"] = sum(r.stopped for r in self.results)
         return out
 
     def ranked(self) -> list[CandidateResult]:
@@ -250,28 +262,34 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
         on_progress(outcome)
     by_key = {c.key: (r, c) for r in survivors for c in r.classes}
     started: set[int] = set()
+    defer = bool(job.top)  # with top 0 every layout is run out anyway
 
-    def tasks() -> Iterator[SimTask]:
-        for r in survivors:
-            if _enough(survivors, job.top):
-                return
-            if id(r) in started:
+    def settle(r: CandidateResult) -> None:
+        _settle(r, job.capacity_bytes, job.margin_bytes)
+        if defer and not r.status and not r.deferred:
+            r.deferred = _no_margin(r, job.capacity_bytes, job.margin_bytes)
+
+    def tasks() -> Iterator[SimTask | Any]:
+        while not _enough(survivors, job.top):
+            picked = _next_class(survivors, outcome.running, job.capacity_bytes)
+            if picked is None:
+                if not outcome.running:
+                    return
+                yield WAIT  # what comes next depends on an answer in flight
                 continue
+            r, c = picked
             started.add(id(r))
-            for c in r.classes:
-                if r.over(job.capacity_bytes):
-                    break  # one rank over the capacity decides: the others are not needed
-                hit = cache.get("figures", c.key)
-                if hit is not None:
-                    c.figures, c.cached = StepFigures.from_dict(hit), True
-                    continue
-                outcome.running[c.key] = _doing(r, c, "")
+            hit = cache.get("figures", c.key)
+            if hit is not None:
+                c.figures, c.cached = StepFigures.from_dict(hit), True
+                settle(r)
                 if on_progress:
                     on_progress(outcome)
-                yield SimTask(c.key, _rank_job(r.candidate, c.rank_class), job.shortcut, _dir(cache))
-            _settle(r, job.capacity_bytes, job.margin_bytes)
+                continue
+            outcome.running[c.key] = _doing(r, c, "")
             if on_progress:
                 on_progress(outcome)
+            yield SimTask(c.key, _rank_job(r.candidate, c.rank_class), job.shortcut, _dir(cache))
 
     def confirmations(todo: list[CandidateResult]) -> Iterator[SimTask]:
         for r in todo:
@@ -303,19 +321,38 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
                         f"{r.candidate.layout.label()}, rank {c.rank_class.representative}: {res.error}"
                     )
                 _take(res, c, cache)
-                _settle(r, job.capacity_bytes, job.margin_bytes)
+                settle(r)
                 if on_progress:
                     on_progress(outcome)
 
     while True:
         run(tasks())
         todo = [r for r in outcome.ranked() if r.unconfirmed]
-        if not todo:
+        if todo:
+            run(confirmations(todo))
+            continue
+        waiting = [r for r in survivors if r.deferred and not r.status]
+        if not waiting or _enough(survivors, job.top):
             break
-        run(confirmations(todo))
+        # Fewer than top fit with margin: the table ranks layouts at risk after them, so they are run out now.
+        defer = False
+        for r in waiting:
+            r.deferred = ""
     for r in survivors:
         if id(r) not in started:
             r.status, r.reason, r.classes = SKIPPED, f"not needed: {job.top} faster layouts fit", []
+        elif not r.status:  # it ran beside a faster layout that then fit, or cannot fit with margin
+            r.stopped = sum(not c.cached for c in r.simulated_classes)
+            ran = f"{r.stopped} of its {len(r.classes)} rank classes"
+            if r.deferred:
+                r.reason = (
+                    f"not needed: {r.deferred}; {job.top} layouts fit with margin (stopped after {ran})"
+                )
+            else:
+                r.reason = f"not needed: {job.top} faster layouts fit" + (
+                    f" (stopped after {ran})" if r.stopped else ""
+                )
+            r.status, r.classes = SKIPPED, []
     outcome.seconds = time.perf_counter() - t0
     return outcome
 
@@ -336,6 +373,51 @@ def eta_in_flight(outcome: FitOutcome, workers: int) -> float | None:
     live = [r for r in outcome.results if any(c.key in keys for c in r.classes)]
     left = sum(1 for r in live for c in r.classes if c.figures is None and not c.error)
     return left * (sum(done) / len(done)) / max(workers, 1)
+
+
+def _no_margin(r: CandidateResult, capacity: int, margin: int) -> str:
+    """Why ``r`` cannot fit with margin, whatever its other classes give ("" if it still may): a class whose own
+    most complete figure is within ``margin`` under the capacity. The verdict of a layout that fits is read on the
+    device figure of every class, which includes each class's reserved and allocated bytes."""
+    for c in r.classes:
+        if c.figures is not None:
+            basis = verdict_figure(c.figures)
+            peak = verdict_bytes(c.figures, basis)
+            word = verdict_word(peak, capacity, margin)
+            if word != verdict.FITS:
+                where = (
+                    f"over {capacity / 2**30:.2f} GiB"
+                    if word == verdict.OOM
+                    else f"within the {margin / 2**30:.2f} GiB margin under {capacity / 2**30:.2f} GiB"
+                )
+                return f"rank {c.rank_class.representative}'s {basis} peak {peak / 2**30:.2f} GiB is {where}"
+    return ""
+
+
+def _next_class(
+    survivors: list[CandidateResult], running: dict[str, str], capacity: int
+) -> tuple[CandidateResult, ClassResult] | None:
+    """The next rank class to simulate, or None: nothing to start until an answer comes.
+
+    Candidates go fastest first, and a candidate's first class (its first pipeline stage, which holds the most
+    micro batches in flight) before its others: over the capacity there, the candidate is settled and its other
+    classes are not needed. While a first class runs, the next candidate's first class is taken (it is needed if
+    this one does not fit, which its first stage decides more often than not). Once a candidate's first class
+    fits, its other classes are taken, and nothing of a slower candidate: it is needed only if this one still turns
+    out not to fit, and the search's end waits on this one's classes anyway."""
+    for r in survivors:
+        if r.status or r.deferred or r.over(capacity):
+            continue
+        first, *rest = r.classes
+        if first.figures is None and not first.error:
+            if first.key in running:
+                continue
+            return r, first
+        for c in rest:
+            if c.figures is None and not c.error and c.key not in running:
+                return r, c
+        return None
+    return None
 
 
 def _doing(r: CandidateResult, c: ClassResult, how: str) -> str:
@@ -405,7 +487,9 @@ def _settle(r: CandidateResult, capacity: int, margin: int) -> None:
     _verdict(r, worst, capacity, margin)
 
 
-def _verdict(r: CandidateResult, worst: ClassResult, capacity: int, margin: int, basis: str | None = None) -> None:
+def _verdict(
+    r: CandidateResult, worst: ClassResult, capacity: int, margin: int, basis: str | None = None
+) -> None:
     """``r``'s status and reason from ``worst``'s peak on ``basis`` (default: the figure every class has)."""
     assert worst.figures is not None
     basis = basis or r.basis
@@ -421,12 +505,13 @@ def _verdict(r: CandidateResult, worst: ClassResult, capacity: int, margin: int,
 
 
 def _enough(ordered: list[CandidateResult], top: int) -> bool:
-    """Whether the ``top`` fastest layouts that fit with margin are known: that many among the finished fastest."""
+    """Whether the ``top`` fastest layouts that fit with margin are known: that many among the fastest that are
+    finished or known not to fit with margin (deferred)."""
     if not top:
         return False
     fits = 0
     for r in ordered:
-        if not r.status:
+        if not r.status and not r.deferred:
             return False
         fits += r.status == FITS
         if fits >= top:
