@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import hyperdryrun
 import hyperdryrun.recipe as recipe
-from hyperdryrun.compat.torch_dtensor import foreach_strategy_expansion, strided_shard_flag_propagation
+from hyperdryrun.compat.torch_dtensor import foreach_strategy_expansion
 from hyperdryrun.engine import JobPlan, SimulationError, job_plan, micro_batch_step, prepare, simulate_plan
 from hyperdryrun.measure.step import measure_job, measure_plan
 from hyperdryrun.report import build_report
@@ -281,7 +281,9 @@ def test_foreach_strategies_expanded_once_per_distinct_element_are_torchs_own_fo
 @pytest.mark.parametrize(
     "parallel", [{"dp_shard": 4}, {"dp_shard": 2, "tp": 2}], ids=["fsdp", "fsdp-over-tp-strided"]
 )
-def test_foreach_output_metadata_from_distinct_elements_is_torchs_own_for_every_element(monkeypatch, parallel):
+def test_foreach_output_metadata_from_distinct_elements_is_torchs_own_for_every_element(
+    monkeypatch, parallel
+):
     """DTensor's global-shape shape inference of a foreach op, run by the world on one element per distinct
     element and spread back, equals torch's own run over every element (its unpatched function, in a fresh fake
     mode); and some op was shared."""
@@ -316,6 +318,41 @@ def test_foreach_output_metadata_from_distinct_elements_is_torchs_own_for_every_
     dry_run(world__world_size=4, parallel=parallel)
     assert any(distinct_count < count for count, distinct_count in checked)
     assert lists
+
+
+def test_a_foreach_ops_scalar_list_keeps_elements_with_other_scalars_apart(monkeypatch):
+    """A ScalarList foreach op is shared per distinct element too, an element being its tensor metadata and its own
+    scalar, type and value: int tensors times [2, 2.5, 2] give int64, float32, int64 (type promotion by the
+    scalar), as the per-element op does; elements 0 and 2 share one run."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from hyperdryrun.compat import torch_dtensor
+    from hyperdryrun.world.simulated import SimulatedWorld
+
+    distinct = torch_dtensor._distinct_foreach_elements
+    slots: list[list[int] | None] = []
+
+    def spy(op_schema):
+        found = distinct(op_schema)
+        if str(op_schema.op) == "aten._foreach_mul.ScalarList":
+            slots.append(None if found is None else found[1])
+        return found
+
+    monkeypatch.setattr(torch_dtensor, "_distinct_foreach_elements", spy)
+    with SimulatedWorld(world_size=2) as world:
+        mesh = init_device_mesh(torch.device(world.device).type, (2,))
+        with world.fake():
+            xs = [
+                DTensor.from_local(torch.ones(4, 3, dtype=torch.int64, device=world.device), mesh, [Shard(0)])
+                for _ in range(3)
+            ]
+            out = torch._foreach_mul(xs, [2, 2.5, 2])
+            each = [torch.mul(x, s) for x, s in zip(xs, [2, 2.5, 2])]
+    assert slots == [[0, 1, 0]]
+    assert [o.dtype for o in out] == [e.dtype for e in each] == [torch.int64, torch.float32, torch.int64]
+    assert [o.shape for o in out] == [e.shape for e in each]
 
 
 def test_what_torch_logs_at_warning_during_the_step_goes_to_the_limitations_and_its_handlers_come_back(capfd):

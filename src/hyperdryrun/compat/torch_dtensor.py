@@ -191,10 +191,11 @@ def untracked_propagation_patches(run_untracked: Callable[[Callable[[], Any]], A
 
 
 def _distinct_foreach_elements(op_schema: Any) -> tuple[Any, list[int]] | None:
-    """For a foreach op whose only list arguments are lists of DTensor specs: the schema with one element per
-    distinct element (equal ``TensorMeta`` in every list: what ``OpSchema.gen_fake_args`` builds the global-shape
-    fake tensor from) and, per element, the index of its representative; None otherwise (another op, a scalar
-    list, symbolic sizes, nothing to share).
+    """For a foreach op whose list arguments are lists of DTensor specs and of Python scalars: the schema with one
+    element per distinct element (equal ``TensorMeta`` in every spec list: what ``OpSchema.gen_fake_args`` builds
+    the global-shape fake tensor from, and the equal scalar, type and value, in every scalar list) and, per element,
+    the index of its representative; None otherwise (another op, a list of something else, symbolic sizes,
+    nothing to share).
 
     A foreach op's i-th output is computed from the i-th elements of its lists and the shared arguments alone
     (that is what ``foreach`` means, and why torch can fall back to a loop of the per-element op), so its metadata
@@ -204,13 +205,17 @@ def _distinct_foreach_elements(op_schema: Any) -> tuple[Any, list[int]] | None:
 
     if not str(op_schema.op.name()).startswith("aten::_foreach_"):
         return None
-    positions = []
+    positions, specs, scalars = [], [], []
     for i, arg in enumerate(op_schema.args_schema):
         if isinstance(arg, (list, tuple)):
-            if not arg or not all(isinstance(x, DTensorSpec) for x in arg):
+            if arg and all(isinstance(x, DTensorSpec) for x in arg):
+                specs.append(i)
+            elif arg and all(type(x) in (bool, int, float) for x in arg):
+                scalars.append(i)  # a ScalarList (AdamW's per-parameter step sizes): each element's own value
+            else:
                 return None
             positions.append(i)
-    if not positions or any(isinstance(v, (list, tuple)) for v in op_schema.kwargs_schema.values()):
+    if not specs or any(isinstance(v, (list, tuple)) for v in op_schema.kwargs_schema.values()):
         return None
     count = len(op_schema.args_schema[positions[0]])
     if any(len(op_schema.args_schema[i]) != count for i in positions):
@@ -220,9 +225,10 @@ def _distinct_foreach_elements(op_schema: Any) -> tuple[Any, list[int]] | None:
     reps: list[int] = []
     try:
         for k in range(count):
-            metas = tuple(op_schema.args_schema[i][k].tensor_meta for i in positions)
+            metas = tuple(op_schema.args_schema[i][k].tensor_meta for i in specs)
             if any(meta is None for meta in metas):
                 return None
+            metas += tuple((type(v), v) for v in (op_schema.args_schema[i][k] for i in scalars))
             slot = firsts.setdefault(metas, len(firsts))
             if slot == len(reps):
                 reps.append(k)
@@ -234,7 +240,9 @@ def _distinct_foreach_elements(op_schema: Any) -> tuple[Any, list[int]] | None:
     args = list(op_schema.args_schema)
     for i in positions:
         args[i] = type(args[i])(args[i][k] for k in reps)
-    return OpSchema(op_schema.op, tuple(args), op_schema.kwargs_schema, schema_info=op_schema.schema_info), slots
+    return OpSchema(
+        op_schema.op, tuple(args), op_schema.kwargs_schema, schema_info=op_schema.schema_info
+    ), slots
 
 
 def clear_caches() -> None:
