@@ -150,6 +150,10 @@ def test_the_time_left_is_the_layouts_in_flight_unanswered_classes_at_the_mean_c
     outcome = FitOutcome(None, [one, two], running={"c": "rank 1"})
     assert eta_in_flight(outcome, workers=2) == 2 * 20 / 2
     assert eta_in_flight(FitOutcome(None, [two], running={"f": "rank 0"}), workers=2) is None
+    # A layout that cannot fit with margin (deferred): only its class in flight is left, not the waiting ones.
+    three = CandidateResult(None, "", classes=[cls("g", 20, True), cls("h"), cls("i")], deferred="within margin")
+    outcome = FitOutcome(None, [one, three], running={"c": "rank 1", "h": "rank 2"})
+    assert eta_in_flight(outcome, workers=2) == (2 + 1) * 20 / 2
 
 
 class OverOnDevice:

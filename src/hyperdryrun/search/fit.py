@@ -360,7 +360,8 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
 def eta_in_flight(outcome: FitOutcome, workers: int) -> float | None:
     """Seconds until the layouts being simulated have every rank class answered: their classes without an answer
     times the mean time of the classes simulated so far (cached ones left out), over ``workers``; None before any
-    class has been simulated. The layouts after them are not counted: the search stops once ``top`` fit."""
+    class has been simulated. The layouts after them are not counted: the search stops once ``top`` fit; nor the
+    waiting classes of a layout that cannot fit with margin (deferred: they run only if too few layouts fit)."""
     done = [
         c.seconds
         for r in outcome.results
@@ -371,7 +372,12 @@ def eta_in_flight(outcome: FitOutcome, workers: int) -> float | None:
         return None
     keys = set(outcome.running)
     live = [r for r in outcome.results if any(c.key in keys for c in r.classes)]
-    left = sum(1 for r in live for c in r.classes if c.figures is None and not c.error)
+    left = sum(
+        1
+        for r in live
+        for c in r.classes
+        if c.figures is None and not c.error and (not r.deferred or c.key in keys)
+    )
     return left * (sum(done) / len(done)) / max(workers, 1)
 
 
