@@ -1,6 +1,6 @@
 """Issue 29's benchmark: whole commands against the floor, measured in the same run.
 
-    PYTHONPATH=src python benchmarks/commands.py                       # README job, one 405B rank, 70B search
+    PYTHONPATH=src python benchmarks/commands.py                       # all: ~20 min on 2 cores
     PYTHONPATH=src python benchmarks/commands.py --only readme,fit70   # a subset (readme, 405b, fit70, fit405)
     PYTHONPATH=src python benchmarks/commands.py --smoke               # llama-tiny: what CI runs (no times asserted)
 
@@ -93,7 +93,9 @@ def command(verb: str, args: list[str], env: dict[str, str]) -> Timed:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="readme,405b,fit70", help="readme, 405b, fit70, fit405 (comma list)")
+    ap.add_argument(
+        "--only", default="readme,405b,fit70,fit405", help="readme, 405b, fit70, fit405 (comma list)"
+    )
     ap.add_argument("--smoke", action="store_true", help="llama-tiny only, every kind once (CI)")
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
