@@ -151,7 +151,9 @@ def test_the_time_left_is_the_layouts_in_flight_unanswered_classes_at_the_mean_c
     assert eta_in_flight(outcome, workers=2) == 2 * 20 / 2
     assert eta_in_flight(FitOutcome(None, [two], running={"f": "rank 0"}), workers=2) is None
     # A layout that cannot fit with margin (deferred): only its class in flight is left, not the waiting ones.
-    three = CandidateResult(None, "", classes=[cls("g", 20, True), cls("h"), cls("i")], deferred="within margin")
+    three = CandidateResult(
+        None, "", classes=[cls("g", 20, True), cls("h"), cls("i")], deferred="within margin"
+    )
     outcome = FitOutcome(None, [one, three], running={"c": "rank 1", "h": "rank 2"})
     assert eta_in_flight(outcome, workers=2) == (2 + 1) * 20 / 2
 
@@ -294,3 +296,20 @@ def test_when_fewer_layouts_fit_with_margin_than_top_the_waiting_layouts_are_run
         ("at_risk", "rank 0: device peak 1.50 GiB <= 2.00 GiB, within the 1.00 GiB margin"),
     ]
     assert results[1] == results[0][:1]
+
+
+def test_the_live_line_counts_the_layouts_waiting_within_the_margin():
+    from hyperdryrun.commands.fit import progress_state
+    from hyperdryrun.search.fit import CandidateResult, ClassResult, FitOutcome
+
+    fig = StepFigures.from_dict(_figures(EXTRAPOLATED, GIB))
+    waiting = CandidateResult(None, "", classes=[ClassResult(None, "a", fig, seconds=10), ClassResult(None, "b")],
+                              deferred="rank 0 within the margin")  # fmt: skip
+    running = CandidateResult(None, "", classes=[ClassResult(None, "c")])
+    state = progress_state(
+        FitOutcome(None, [waiting, running], running={"c": "dp2 1x6 none: rank 0"}), workers=1
+    )
+    assert state == (
+        "fit 0 · oom 0 · pruned 0 · invalid 0 · failed 0 · 1 within the margin (waiting) · dp2 1x6 none: rank 0 · "
+        "~10 s left for these layouts"
+    )

@@ -356,22 +356,35 @@ class _progress:
         return self.update
 
     def update(self, outcome: Any) -> None:
-        from hyperdryrun.search.fit import eta_in_flight
-
-        c = outcome.counts()
         done = sum(bool(r.status) for r in outcome.results)
-        state = f"fit {c['fits']} · oom {c['oom']} · pruned {c['pruned']} · invalid {c['invalid']} · failed {c['failed']}"
-        running = list(outcome.running.values())
-        if running:  # what the workers are simulating now, and how long the layouts they belong to will take
-            state += f" · {running[0]}" + (f" (+{len(running) - 1})" if len(running) > 1 else "")
-            left = eta_in_flight(outcome, self.workers)
-            if left is not None:
-                state += f" · ~{_duration(left)} left for these layouts"
+        state = progress_state(outcome, self.workers)
         self._progress.update(self._task, total=len(outcome.results), completed=done, state=state)
 
     def __exit__(self, *exc: Any) -> None:
         if self._progress is not None:
             self._progress.__exit__(*exc)
+
+
+def progress_state(outcome: Any, workers: int) -> str:
+    """The live line's text after the count: the statuses so far, the layouts waiting because a stage is within
+    the margin (they run only if too few layouts fit with margin), what the workers are simulating and the time
+    left for the layouts in flight."""
+    from hyperdryrun.search.fit import eta_in_flight
+
+    c = outcome.counts()
+    state = f"fit {c['fits']} · oom {c['oom']} · pruned {c['pruned']} · invalid {c['invalid']} · failed {c['failed']}"
+    if c["at_risk"]:
+        state += f" · at risk {c['at_risk']}"
+    waiting = sum(1 for r in outcome.results if r.deferred and not r.status)
+    if waiting:
+        state += f" · {waiting} within the margin (waiting)"
+    running = list(outcome.running.values())
+    if running:  # what the workers are simulating now, and how long the layouts they belong to will take
+        state += f" · {running[0]}" + (f" (+{len(running) - 1})" if len(running) > 1 else "")
+        left = eta_in_flight(outcome, workers)
+        if left is not None:
+            state += f" · ~{_duration(left)} left for these layouts"
+    return state
 
 
 def _duration(seconds: float) -> str:
