@@ -195,6 +195,7 @@ class TwoAtOnce:
     def __init__(self, gib=lambda first, rank: 3 if (first, rank) == (True, 0) else 1) -> None:
         # (micro batch size, rank), in the order the search started them
         self.started: list[tuple[int, int]] = []
+        self.events: list[tuple[str, int, int]] = []  # ("start" | "answer", micro batch size, rank)
         self.first: int | None = None
         self.gib = gib
 
@@ -211,12 +212,14 @@ class TwoAtOnce:
                     mbs, rank = task.job["training"]["micro_batch_size"], task.job["world"]["rank"]
                     self.first = mbs if self.first is None else self.first
                     self.started.append((mbs, rank))
+                    self.events.append(("start", mbs, rank))
                     flight.append(task)
             if not flight:
                 return
             task = flight.pop(0)
             mbs, rank = task.job["training"]["micro_batch_size"], task.job["world"]["rank"]
             peak = int(self.gib(mbs == self.first, rank) * GIB)
+            self.events.append(("answer", mbs, rank))
             yield TaskResult(task.key, _figures(EXTRAPOLATED, peak) | {"peak_bytes": peak}, versions={})
 
 
@@ -313,3 +316,15 @@ def test_the_live_line_counts_the_layouts_waiting_within_the_margin():
         "fit 0 · oom 0 · pruned 0 · invalid 0 · failed 0 · 1 within the margin (waiting) · dp2 1x6 none: rank 0 · "
         "~10 s left for these layouts"
     )
+
+
+def test_with_top_0_a_free_worker_goes_on_to_the_next_layout_once_a_first_stage_fits():
+    # Every layout is run out with --top 0: nothing is speculative, so no worker waits.
+    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1, 2), ac=("none",))
+    pool = TwoAtOnce(lambda first, rank: 1)
+    outcome = fit(FitJob(BASE_JOB, 2 * GIB, 12, space, top=0), pool, ResultCache(None))
+    f, s = pool.first, 3 - pool.first
+    # the slower layout's last stage starts while the faster one's runs (with --top 1 it would wait for it)
+    assert pool.events == [("start", f, 0), ("start", s, 0), ("answer", f, 0), ("start", f, 1),
+                           ("answer", s, 0), ("start", s, 1), ("answer", f, 1), ("answer", s, 1)]  # fmt: skip
+    assert [r.status for r in outcome.results] == [FITS, FITS]

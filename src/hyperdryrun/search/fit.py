@@ -271,7 +271,7 @@ def fit(job: FitJob, executor: Any, cache: ResultCache, on_progress: Progress | 
 
     def tasks() -> Iterator[SimTask | Any]:
         while not _enough(survivors, job.top):
-            picked = _next_class(survivors, outcome.running, job.capacity_bytes)
+            picked = _next_class(survivors, outcome.running, job.capacity_bytes, every=not job.top)
             if picked is None:
                 if not outcome.running:
                     return
@@ -401,7 +401,7 @@ def _no_margin(r: CandidateResult, capacity: int, margin: int) -> str:
 
 
 def _next_class(
-    survivors: list[CandidateResult], running: dict[str, str], capacity: int
+    survivors: list[CandidateResult], running: dict[str, str], capacity: int, every: bool = False
 ) -> tuple[CandidateResult, ClassResult] | None:
     """The next rank class to simulate, or None: nothing to start until an answer comes.
 
@@ -410,7 +410,8 @@ def _next_class(
     classes are not needed. While a first class runs, the next candidate's first class is taken (it is needed if
     this one does not fit, which its first stage decides more often than not). Once a candidate's first class
     fits, its other classes are taken, and nothing of a slower candidate: it is needed only if this one still turns
-    out not to fit, and the search's end waits on this one's classes anyway."""
+    out not to fit, and the search's end waits on this one's classes anyway. With ``every`` (no ``top``: every
+    candidate is run out) a slower candidate's classes are taken then too."""
     for r in survivors:
         if r.status or r.deferred or r.over(capacity):
             continue
@@ -422,7 +423,8 @@ def _next_class(
         for c in rest:
             if c.figures is None and not c.error and c.key not in running:
                 return r, c
-        return None
+        if not every:
+            return None
     return None
 
 
