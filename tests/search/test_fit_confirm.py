@@ -186,18 +186,22 @@ def test_one_stage_over_the_capacity_on_the_device_figure_settles_the_layout_wit
     assert outcome.ranked() == []
 
 
+def _first_layouts_first_stage_over(first: bool, rank: int) -> float:
+    return 3 if (first, rank) == (True, 0) else 1
+
+
 class TwoAtOnce:
     """A pool of two workers, scripted: it starts what the search hands it until two tasks are in flight (or the
     search yields WAIT or has nothing left), then answers the oldest one. ``gib(first, rank)``: the peak (allocated
     and device) of ``rank`` of the first layout dry-run (``first``) or of another, in GiB (default: the first
     layout's rank 0 at 3 GiB, every other rank at 1 GiB)."""
 
-    def __init__(self, gib=lambda first, rank: 3 if (first, rank) == (True, 0) else 1) -> None:
+    def __init__(self, gib=None) -> None:
         # (micro batch size, rank), in the order the search started them
         self.started: list[tuple[int, int]] = []
         self.events: list[tuple[str, int, int]] = []  # ("start" | "answer", micro batch size, rank)
         self.first: int | None = None
-        self.gib = gib
+        self.gib = gib or _first_layouts_first_stage_over
 
     def imap(self, tasks):
         pending, flight, exhausted = iter(tasks), [], False
@@ -223,17 +227,24 @@ class TwoAtOnce:
             yield TaskResult(task.key, _figures(EXTRAPOLATED, peak) | {"peak_bytes": peak}, versions={})
 
 
+def _two_stage_layouts(gib, top: int = 1, margin: int = 0):
+    """The two 2-stage layouts (micro batches of 1 and 2) searched at 2 GiB on a :class:`TwoAtOnce` pool scripted
+    by ``gib``: the pool, the outcome, the micro batch sizes of the layout dry-run first and of the other, and the
+    results by micro batch size."""
+    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1, 2), ac=("none",))
+    pool = TwoAtOnce(gib)
+    outcome = fit(FitJob(BASE_JOB, 2 * GIB, 12, space, top=top, margin_bytes=margin), pool, ResultCache(None))
+    by_mbs = {r.candidate.layout.micro_batch_size: r for r in outcome.results}
+    return pool, outcome, pool.first, 3 - pool.first, by_mbs
+
+
 def test_while_a_layouts_first_stage_runs_a_free_worker_takes_the_next_layouts_first_stage():
     # Two 2-stage layouts, two workers. The fastest layout's first stage is over the capacity: it is the only class
     # of that layout simulated; the second worker took the next layout's first stage meanwhile, and that layout's
     # last stage started once its first was known to fit. Before, the second worker ran the first layout's last
     # stage, which its first stage's answer made unnecessary.
-    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1, 2), ac=("none",))
-    pool = TwoAtOnce()
-    outcome = fit(FitJob(BASE_JOB, 2 * GIB, 12, space, top=1), pool, ResultCache(None))
-    first, second = pool.first, 3 - pool.first
+    pool, outcome, first, second, by_mbs = _two_stage_layouts(_first_layouts_first_stage_over)
     assert pool.started == [(first, 0), (second, 0), (second, 1)]
-    by_mbs = {r.candidate.layout.micro_batch_size: r for r in outcome.results}
     assert by_mbs[first].status == OOM and by_mbs[first].reason == "rank 0: device peak 3.00 GiB > 2.00 GiB"
     assert by_mbs[second].status == FITS
     assert outcome.ranked() == [by_mbs[second]] and outcome.running == {}
@@ -243,12 +254,8 @@ def test_once_a_layouts_first_stage_fits_its_other_stages_run_and_nothing_of_a_s
     # The same two layouts, all of whose ranks fit: the second worker took the slower layout's first stage while the
     # fastest layout's ran; once that fit, the fastest layout's last stage ran, not the slower one's. The fastest
     # fits, so the slower is not needed: stopped after one class, no peak of its own in the results.
-    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1, 2), ac=("none",))
-    pool = TwoAtOnce(lambda first, rank: 1)
-    outcome = fit(FitJob(BASE_JOB, 2 * GIB, 12, space, top=1), pool, ResultCache(None))
-    first, second = pool.first, 3 - pool.first
+    pool, outcome, first, second, by_mbs = _two_stage_layouts(lambda first, rank: 1)
     assert pool.started == [(first, 0), (second, 0), (first, 1)]
-    by_mbs = {r.candidate.layout.micro_batch_size: r for r in outcome.results}
     assert by_mbs[first].status == FITS and outcome.ranked() == [by_mbs[first]]
     slower = by_mbs[second]
     assert slower.status == "skipped" and slower.classes == [] and slower.stopped == 1
@@ -261,13 +268,10 @@ def test_a_layout_within_the_margin_on_one_stage_waits_while_another_fits_with_m
     # 2 GiB, 1 GiB margin. The fastest layout's first stage is at 1.5 GiB: at risk or worse, it cannot count
     # towards --top 1, so its last stage waits; the slower layout fits with margin (0.5 GiB everywhere) and the
     # search ends without the waiting stage (before, it ran, to rank a layout at risk the table does not show).
-    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1, 2), ac=("none",))
-    pool = TwoAtOnce(lambda first, rank: 1.5 if (first, rank) == (True, 0) else 0.5)
-    job = FitJob(BASE_JOB, 2 * GIB, 12, space, top=1, margin_bytes=GIB)
-    outcome = fit(job, pool, ResultCache(None))
-    first, second = pool.first, 3 - pool.first
+    pool, outcome, first, second, by_mbs = _two_stage_layouts(
+        lambda first, rank: 1.5 if (first, rank) == (True, 0) else 0.5, margin=GIB
+    )
     assert pool.started == [(first, 0), (second, 0), (second, 1)]
-    by_mbs = {r.candidate.layout.micro_batch_size: r for r in outcome.results}
     assert by_mbs[second].status == FITS and outcome.ranked() == [by_mbs[second]]
     waited = by_mbs[first]
     assert waited.status == "skipped" and waited.classes == [] and waited.stopped == 1
@@ -280,17 +284,12 @@ def test_a_layout_within_the_margin_on_one_stage_waits_while_another_fits_with_m
 def test_when_fewer_layouts_fit_with_margin_than_top_the_waiting_layouts_are_run_out_and_ranked_at_risk():
     # Every layout's first stage is within the margin: none fits with margin, so the table ranks those at risk,
     # and each needs its every class: the same statuses as a search that runs every layout out (--top 0).
-    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1, 2), ac=("none",))
-
     def gib(first, rank):
         return 1.5 if rank == 0 else (1.75 if first else 0.5)
 
     results = {}
     for top in (1, 0):
-        pool = TwoAtOnce(gib)
-        outcome = fit(
-            FitJob(BASE_JOB, 2 * GIB, 12, space, top=top, margin_bytes=GIB), pool, ResultCache(None)
-        )
+        pool, outcome, *_ = _two_stage_layouts(gib, top=top, margin=GIB)
         assert sorted(pool.started) == [(1, 0), (1, 1), (2, 0), (2, 1)]
         results[top] = [(r.status, r.reason) for r in outcome.ranked()]
     # Fastest first: the first layout dry-run, whose worst rank is its last stage, then the other.
@@ -320,10 +319,7 @@ def test_the_live_line_counts_the_layouts_waiting_within_the_margin():
 
 def test_with_top_0_a_free_worker_goes_on_to_the_next_layout_once_a_first_stage_fits():
     # Every layout is run out with --top 0: nothing is speculative, so no worker waits.
-    space = SearchSpace(tp=(1,), pp=(2,), micro_batch_sizes=(1, 2), ac=("none",))
-    pool = TwoAtOnce(lambda first, rank: 1)
-    outcome = fit(FitJob(BASE_JOB, 2 * GIB, 12, space, top=0), pool, ResultCache(None))
-    f, s = pool.first, 3 - pool.first
+    pool, outcome, f, s, _ = _two_stage_layouts(lambda first, rank: 1, top=0)
     # the slower layout's last stage starts while the faster one's runs (with --top 1 it would wait for it)
     assert pool.events == [("start", f, 0), ("start", s, 0), ("answer", f, 0), ("start", f, 1),
                            ("answer", s, 0), ("start", s, 1), ("answer", f, 1), ("answer", s, 1)]  # fmt: skip
