@@ -101,8 +101,9 @@ class CandidateResult:
     not read) shows it cannot fit with margin, so it cannot count towards ``top``; its exact status (at risk or
     OOM) matters only if fewer than ``top`` layouts fit with margin, and is then run out at the end."""
     stopped: int = 0
-    """Classes simulated before the search found it not needed (they ran beside a faster layout that then fit);
-    its ``classes`` are cleared then, as no peak of the layout is known."""
+    """Classes simulated before the search found it not needed (they ran beside a faster layout that then fit, or
+    its other classes waited, ``deferred``, and ``top`` layouts fit with margin); its ``classes`` are cleared then,
+    as no peak of the layout is known."""
 
     @property
     def done(self) -> bool:
