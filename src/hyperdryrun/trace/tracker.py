@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hyperdryrun.compat import torch_storage
+from hyperdryrun.compat.torch_dispatch_mode import unwrapped_dispatch
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import (
     ADDRESS_BASE,
@@ -634,6 +635,9 @@ class _Label:
         self.tracker._default_category = self._prev
 
 
+_FAKE_DISPATCH = unwrapped_dispatch(FakeTensorMode)
+
+
 class TrackingFakeTensorMode(FakeTensorMode):
     """FakeTensorMode that reports every op it executes to a tracker.
 
@@ -644,13 +648,15 @@ class TrackingFakeTensorMode(FakeTensorMode):
     tracker: MemoryTracker | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # FakeTensorMode's dispatch without its own Dynamo wrapper: this method's wrapper already holds Dynamo's
+        # frame callback off below it (compat/torch_dispatch_mode.py)
         tracker = self.tracker
         if tracker is None or not tracker.active or id(func) == _DEVICE_OP_ID:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return _FAKE_DISPATCH(self, func, types, args, kwargs)
         tracker.begin_op()
         out = None
         try:
-            out = super().__torch_dispatch__(func, types, args, kwargs)
+            out = _FAKE_DISPATCH(self, func, types, args, kwargs)
         finally:
             tracker.end_op(func, args, kwargs or {}, out)
         return out

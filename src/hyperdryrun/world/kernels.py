@@ -26,6 +26,7 @@ from hyperdryrun.compat.torch_kernels import (
     cuda_rms_norm,
     cuda_softmax,
 )
+from hyperdryrun.compat.torch_dispatch_mode import unwrapped_dispatch
 from hyperdryrun.patches import Patch
 from hyperdryrun.trace.tracker import TrackingFakeTensorMode
 from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET, DIFFERENCES, CudaTarget, KernelDifference
@@ -63,6 +64,12 @@ class FusedCollectives:
         return line
 
 
+# The classes below without torch's Dynamo wrapper: TargetFakeTensorMode's own wrapper holds Dynamo's frame
+# callback off for every frame below it (compat/torch_dispatch_mode.py)
+_TRACKING_DISPATCH = unwrapped_dispatch(TrackingFakeTensorMode)
+_FAKE_DISPATCH = unwrapped_dispatch(FakeTensorMode)
+
+
 class TargetFakeTensorMode(TrackingFakeTensorMode):
     """The tracking fake mode, with the outputs of ``OUTPUT_FIXUPS`` ops replaced by the CUDA kernel's (the
     replacement is what the tracker and autograd see: it is recorded as the op's own outputs), the ``out=``
@@ -77,7 +84,7 @@ class TargetFakeTensorMode(TrackingFakeTensorMode):
         if fix is None and func not in torch_kernels.OUT_WITHOUT_META:
             if getattr(func, "_namespace", None) == "symm_mem" and func._opname.startswith("fused_"):
                 return self._fused_collective(func, types, args, kwargs or {})
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return _TRACKING_DISPATCH(self, func, types, args, kwargs)
         kwargs = kwargs or {}
         tracker = self.tracker
         active = tracker is not None and tracker.active
@@ -88,7 +95,7 @@ class TargetFakeTensorMode(TrackingFakeTensorMode):
             if fix is None:  # an out= kernel FakeTensorMode would run for real: it writes into out
                 out = kwargs["out"]
             else:
-                out = fix(args, kwargs, FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs))
+                out = fix(args, kwargs, _FAKE_DISPATCH(self, func, types, args, kwargs))
         finally:
             if active:
                 tracker.end_op(func, args, kwargs, out)
@@ -99,7 +106,7 @@ class TargetFakeTensorMode(TrackingFakeTensorMode):
         if model is None:  # a float8 variant: its Meta kernel's outputs
             if self.fused is not None:
                 self.fused.unmodelled[func._opname] += 1
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return _TRACKING_DISPATCH(self, func, types, args, kwargs)
         transients, workspace, group = model(args, kwargs)
         if self.fused is not None:
             self.fused.calls[func._opname] += 1
@@ -109,9 +116,9 @@ class TargetFakeTensorMode(TrackingFakeTensorMode):
         held = []
         for numel, dtype in transients:
             held.append(
-                super().__torch_dispatch__(empty, types, ((numel,),), {"dtype": dtype, "device": device})
+                _TRACKING_DISPATCH(self, empty, types, ((numel,),), {"dtype": dtype, "device": device})
             )
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        out = _TRACKING_DISPATCH(self, func, types, args, kwargs)
         del held
         return out
 
