@@ -34,3 +34,32 @@ def unwrapped_dispatch(cls: type) -> Callable[..., Any]:
     if getattr(fn, "__code__", None) is _DISABLE_WRAPPER and callable(getattr(fn, "__wrapped__", None)):
         return fn.__wrapped__
     return fn
+
+
+def fake_tensor_dispatch() -> Callable[..., Any]:
+    """``FakeTensorMode.__torch_dispatch__`` unwrapped (:func:`unwrapped_dispatch`), answering ``NotImplemented`` at
+    once for an op on DTensors, as FakeTensorMode itself answers it after trying its cache.
+
+    torch 2.11 to 2.15 ``FakeTensorMode.dispatch``: below DTensor's autograd, every DTensor op reaches the fake mode
+    (modes come before subclasses) with the DTensors as arguments; unless the op is one of the few it answers
+    directly (``_DISPATCH_META_HANDLERS``, ``_DISPATCH_HANDLE_DIRECTLY``), it computes a cache key, which fails on
+    the first DTensor ("non-fake tensor"), then ``_dispatch_impl`` flattens the arguments, finds the DTensor
+    (``_check_for_subclass``: a DTensor is neither a FakeTensor, nor a plain Tensor or Parameter) and returns
+    ``NotImplemented``, handing the op to ``DTensor.__torch_dispatch__``. A 405B pipeline rank sends ~32,000 ops
+    that way. ``types`` (the overloaded argument types the dispatcher collected) holding ``DTensor`` itself means
+    a DTensor is among the arguments; anything else takes FakeTensorMode's own path."""
+    from torch._subclasses import fake_tensor
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor
+
+    raw = unwrapped_dispatch(FakeTensorMode)
+    answered_directly = frozenset(
+        id(f) for f in (*fake_tensor._DISPATCH_META_HANDLERS, *fake_tensor._DISPATCH_HANDLE_DIRECTLY)
+    )
+
+    def dispatch(mode: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if DTensor in types and id(func) not in answered_directly:
+            return NotImplemented
+        return raw(mode, func, types, args, kwargs)
+
+    return dispatch

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hyperdryrun.compat import torch_storage
-from hyperdryrun.compat.torch_dispatch_mode import unwrapped_dispatch
+from hyperdryrun.compat.torch_dispatch_mode import fake_tensor_dispatch
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import (
     ADDRESS_BASE,
@@ -635,7 +635,7 @@ class _Label:
         self.tracker._default_category = self._prev
 
 
-_FAKE_DISPATCH = unwrapped_dispatch(FakeTensorMode)
+_FAKE_DISPATCH = fake_tensor_dispatch()
 
 
 class TrackingFakeTensorMode(FakeTensorMode):

@@ -15,9 +15,9 @@ import collections
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hyperdryrun.compat import torch_kernels, torchao
+from hyperdryrun.compat.torch_dispatch_mode import fake_tensor_dispatch, unwrapped_dispatch
 from hyperdryrun.compat.torch_kernels import (
     FUSED_COLLECTIVE_MATMULS,
     OUTPUT_FIXUPS,
@@ -26,7 +26,6 @@ from hyperdryrun.compat.torch_kernels import (
     cuda_rms_norm,
     cuda_softmax,
 )
-from hyperdryrun.compat.torch_dispatch_mode import unwrapped_dispatch
 from hyperdryrun.patches import Patch
 from hyperdryrun.trace.tracker import TrackingFakeTensorMode
 from hyperdryrun.world.cuda_target import DEFAULT_CUDA_TARGET, DIFFERENCES, CudaTarget, KernelDifference
@@ -67,7 +66,7 @@ class FusedCollectives:
 # The classes below without torch's Dynamo wrapper: TargetFakeTensorMode's own wrapper holds Dynamo's frame
 # callback off for every frame below it (compat/torch_dispatch_mode.py)
 _TRACKING_DISPATCH = unwrapped_dispatch(TrackingFakeTensorMode)
-_FAKE_DISPATCH = unwrapped_dispatch(FakeTensorMode)
+_FAKE_DISPATCH = fake_tensor_dispatch()
 
 
 class TargetFakeTensorMode(TrackingFakeTensorMode):
