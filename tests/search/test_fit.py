@@ -82,6 +82,10 @@ def test_a_second_run_answers_from_the_cache_and_the_capacity_splits_fit_from_oo
     assert code == 0
     again = json.loads(out.read_text())
     assert again["counts"]["simulated"] == 0 and again["counts"]["cached"] == 4
+    assert data["counts"]["cached_classes"] == 0  # the first run simulated every class
+    assert (
+        again["counts"]["cached_classes"] == again["counts"]["rank_classes"] == data["counts"]["rank_classes"]
+    )
     status = {row["layout"] + f" {row['micro_batch_size']}": row["status"] for row in again["candidates"]}
     expected = {
         row["layout"] + f" {row['micro_batch_size']}": "fits" if row["peak_device_bytes"] <= capacity * 2**30
@@ -91,6 +95,9 @@ def test_a_second_run_answers_from_the_cache_and_the_capacity_splits_fit_from_oo
     assert status == expected and sorted(status.values()) == ["fits", "fits", "oom", "oom"]
     text = capsys.readouterr().out
     assert "4 enumerated · 0 invalid · 0 pruned · 0 simulated · 4 cached" in text
+    n = data["counts"]["rank_classes"]
+    assert f"rank classes: {n} for the 4 layouts dry-run, all answered from the cache" in text
+    assert "simulations for" not in text
 
 
 def test_top_stops_once_the_fastest_fitting_layout_is_known(first_run):

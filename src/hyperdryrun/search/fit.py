@@ -204,6 +204,7 @@ class FitOutcome:
         out["extrapolated"] = sum(1 for r in ran for m in r.methods if m == EXTRAPOLATED) + confirmed
         out["confirmed"] = confirmed
         out["rank_classes"] = sum(len(r.simulated_classes) for r in ran)
+        out["cached_classes"] = sum(c.cached for r in ran for c in r.simulated_classes)
         out["stopped_classes"] = sum(r.stopped for r in self.results)
         return out
 
