@@ -40,6 +40,30 @@ WAIT = _Wait()
 """Yielded by a task source in place of a task: nothing to start until a task in flight answers."""
 
 
+class _Source:
+    """A task source as every executor reads it: :meth:`take` the next task to start, :meth:`done` once nothing
+    is in flight."""
+
+    def __init__(self, tasks: Iterable[SimTask | _Wait]) -> None:
+        self._tasks = iter(tasks)
+        self._exhausted = False
+
+    def take(self) -> SimTask | None:
+        """The next task, or None: the source is exhausted, or it waits (it is asked again after the next result)."""
+        if self._exhausted:
+            return None
+        task = next(self._tasks, None)
+        if task is None:
+            self._exhausted = True
+        return None if task is WAIT else task
+
+    def done(self) -> bool:
+        """With nothing in flight: True once the source is exhausted; a source that waits then would wait forever."""
+        if not self._exhausted:
+            raise RuntimeError("a task source waited with no task in flight")
+        return True
+
+
 @dataclass(frozen=True)
 class SimTask:
     """One rank-class simulation."""
@@ -103,10 +127,10 @@ class InlineExecutor:
     jobs = 1
 
     def imap(self, tasks: Iterable[SimTask | _Wait]) -> Iterator[TaskResult]:
-        for task in tasks:
-            if task is WAIT:  # nothing is ever in flight here when the source is asked
-                raise RuntimeError("a task source waited with no task in flight")
+        source = _Source(tasks)
+        while (task := source.take()) is not None:
             yield run_task(task)
+        source.done()  # nothing is ever in flight here when the source is asked
 
 
 class LocalExecutor:
@@ -122,26 +146,20 @@ class LocalExecutor:
         from multiprocessing.connection import wait
 
         ctx = multiprocessing.get_context("spawn")
-        pending = iter(tasks)
+        source = _Source(tasks)
         idle: list[Any] = []
         busy: dict[Any, tuple[Any, SimTask]] = {}  # connection -> (process, task)
         procs: dict[Any, Any] = {}
-        exhausted = False
         try:
             while True:
-                while not exhausted and (idle or len(procs) < self.jobs):
-                    task = next(pending, None)
+                while idle or len(procs) < self.jobs:
+                    task = source.take()
                     if task is None:
-                        exhausted = True
                         break
-                    if task is WAIT:
-                        break  # asked again after the next result
                     conn = idle.pop() if idle else self._start(ctx, procs)
                     conn.send(task)
                     busy[conn] = (procs[conn], task)
-                if not busy:
-                    if not exhausted:
-                        raise RuntimeError("a task source waited with no task in flight")
+                if not busy and source.done():
                     return
                 for conn in wait(list(busy)):
                     proc, task = busy.pop(conn)
@@ -233,22 +251,16 @@ class RayExecutor:
 
     def imap(self, tasks: Iterable[SimTask | _Wait]) -> Iterator[TaskResult]:
         ray = self._ray
-        pending = iter(tasks)
+        source = _Source(tasks)
         in_flight: dict[Any, SimTask] = {}
-        exhausted = False
         try:
             while True:
-                while not exhausted and len(in_flight) < self.jobs:
-                    task = next(pending, None)
+                while len(in_flight) < self.jobs:
+                    task = source.take()
                     if task is None:
-                        exhausted = True
                         break
-                    if task is WAIT:
-                        break  # asked again after the next result
                     in_flight[self._remote.remote(task)] = task
-                if not in_flight:
-                    if not exhausted:
-                        raise RuntimeError("a task source waited with no task in flight")
+                if not in_flight and source.done():
                     return
                 ready, _ = ray.wait(list(in_flight), num_returns=1)
                 for ref in ready:
