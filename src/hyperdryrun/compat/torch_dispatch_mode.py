@@ -12,6 +12,7 @@ by :func:`unwrapped_dispatch`; the outermost wrapper stays, so no frame below it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ def unwrapped_dispatch(cls: type) -> Callable[..., Any]:
     return fn
 
 
+@functools.cache
 def fake_tensor_dispatch() -> Callable[..., Any]:
     """``FakeTensorMode.__torch_dispatch__`` unwrapped (:func:`unwrapped_dispatch`), answering ``NotImplemented`` at
     once for an op on DTensors, as FakeTensorMode itself answers it after trying its cache.
@@ -47,7 +49,8 @@ def fake_tensor_dispatch() -> Callable[..., Any]:
     (``_check_for_subclass``: a DTensor is neither a FakeTensor, nor a plain Tensor or Parameter) and returns
     ``NotImplemented``, handing the op to ``DTensor.__torch_dispatch__``. A 405B pipeline rank sends ~32,000 ops
     that way. ``types`` (the overloaded argument types the dispatcher collected) holding ``DTensor`` itself means
-    a DTensor is among the arguments; anything else takes FakeTensorMode's own path."""
+    a DTensor is among the arguments; anything else takes FakeTensorMode's own path. Made once: the tracking and
+    the target fake modes call the same function."""
     from torch._subclasses import fake_tensor
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor import DTensor
