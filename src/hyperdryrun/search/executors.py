@@ -41,7 +41,7 @@ WAIT = _Wait()
 
 
 class _Source:
-    """A task source as every executor reads it: :meth:`take` the next task to start, :meth:`done` once nothing
+    """A task source as every executor reads it: :meth:`take` the next task to start, :meth:`end` once nothing
     is in flight."""
 
     def __init__(self, tasks: Iterable[SimTask | _Wait]) -> None:
@@ -57,11 +57,11 @@ class _Source:
             self._exhausted = True
         return None if task is WAIT else task
 
-    def done(self) -> bool:
-        """With nothing in flight: True once the source is exhausted; a source that waits then would wait forever."""
+    def end(self) -> None:
+        """Called with nothing in flight, where the executor stops: a source that is not exhausted waits, and would
+        wait forever."""
         if not self._exhausted:
             raise RuntimeError("a task source waited with no task in flight")
-        return True
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class InlineExecutor:
         source = _Source(tasks)
         while (task := source.take()) is not None:
             yield run_task(task)
-        source.done()  # nothing is ever in flight here when the source is asked
+        source.end()  # nothing is ever in flight here when the source is asked
 
 
 class LocalExecutor:
@@ -159,7 +159,8 @@ class LocalExecutor:
                     conn = idle.pop() if idle else self._start(ctx, procs)
                     conn.send(task)
                     busy[conn] = (procs[conn], task)
-                if not busy and source.done():
+                if not busy:
+                    source.end()
                     return
                 for conn in wait(list(busy)):
                     proc, task = busy.pop(conn)
@@ -260,7 +261,8 @@ class RayExecutor:
                     if task is None:
                         break
                     in_flight[self._remote.remote(task)] = task
-                if not in_flight and source.done():
+                if not in_flight:
+                    source.end()
                     return
                 ready, _ = ray.wait(list(in_flight), num_returns=1)
                 for ref in ready:
