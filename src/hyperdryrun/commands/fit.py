@@ -571,13 +571,14 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
         for reason, n in reasons.items():
             console.print(f"[red]failed[/] ({n}): {reason}", soft_wrap=True)
     if not quiet:
-        n, from_cache, layouts = c["rank_classes"], c["cached_classes"], c["simulated"] + c["cached"]
+        classes, from_cache, layouts = c["rank_classes"], c["cached_classes"], c["simulated"] + c["cached"]
         console.print(
             (
-                f"rank classes: {n} simulations for the {layouts} layouts dry-run; "
+                f"rank classes: {classes} simulations for the {layouts} layouts dry-run; "
                 if not from_cache
-                else f"rank classes: {n} for the {layouts} layouts dry-run, "
-                f"{'all' if from_cache == n else from_cache} answered from the cache (simulated by an earlier run); "
+                else f"rank classes: {classes} for the {layouts} layouts dry-run, "
+                f"{'all' if from_cache == classes else from_cache} answered from the cache (simulated by an earlier "
+                "run); "
             )
             + f"{c['extrapolated']} extrapolated from samples (exact), the rest in full"
             + (
