@@ -24,6 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from hyperdryrun.compat import torch_storage
 from hyperdryrun.compat.torch_dispatch_mode import fake_tensor_dispatch
+from hyperdryrun.compat.torch_fake_tensor import cache_key_flattener
 from hyperdryrun.patches import Patch, PatchSet
 from hyperdryrun.trace.blocks import (
     ADDRESS_BASE,
@@ -646,6 +647,10 @@ class TrackingFakeTensorMode(FakeTensorMode):
     """
 
     tracker: MemoryTracker | None = None
+
+    # the fake-tensor cache's key, the same list built without torch's per-field Python walk
+    # (compat/torch_fake_tensor.py)
+    _prep_args_for_hash = cache_key_flattener()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # FakeTensorMode's dispatch without its own Dynamo wrapper: this method's wrapper already holds Dynamo's
