@@ -44,6 +44,28 @@ def test_the_world_uses_the_fast_key_on_every_supported_release():
     assert TrackingFakeTensorMode._prep_args_for_hash.__code__ is fast.__code__
 
 
+def test_torchs_own_method_past_the_supported_releases_or_with_other_metadata_fields(monkeypatch):
+    import dataclasses
+
+    from torch._subclasses import fake_tensor
+
+    from hyperdryrun.compat import versions
+
+    monkeypatch.setattr(versions, "torch_version", lambda: "2.16.0")
+    assert cache_key_flattener() is FakeTensorMode._prep_args_for_hash
+    monkeypatch.setattr(versions, "torch_version", lambda: "2.13.0+cpu")
+    assert cache_key_flattener() is not FakeTensorMode._prep_args_for_hash
+
+    @dataclasses.dataclass
+    class Renamed:  # a release that added a field
+        dtype: torch.dtype
+        shape: tuple
+        extra: int
+
+    monkeypatch.setattr(fake_tensor, "TensorMetadata", Renamed)
+    assert cache_key_flattener() is FakeTensorMode._prep_args_for_hash
+
+
 def test_every_argument_kind_gets_torchs_key_or_torchs_bypass():
     mode = TrackingFakeTensorMode()
     other = FakeTensorMode()

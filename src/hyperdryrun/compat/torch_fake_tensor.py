@@ -15,9 +15,10 @@ strings, None, dtypes, layouts, memory formats; tuples, lists, ``torch.Size``, d
 else, from the call's start, to torch's own: symbolic sizes (whose keys record back-references in the key state),
 devices (torch 2.15 pins an index-less device's index), functions, graph modules, other tensors, sparse or mkldnn
 layouts. The same list means the same key, so entries are shared with torch's own modes. The fast path never
-touches the key state or the id-hashed objects, so handing a call back leaves nothing half done. Used only when
-torch's ``TensorMetadata`` has the fields this module writes (:data:`METADATA_FIELDS`, unchanged from 2.11 to 2.15);
-else torch's own method. Tests: ``tests/compat/test_torch_fake_tensor.py`` (every key of a tensor-parallel
+touches the key state or the id-hashed objects, so handing a call back leaves nothing half done. Used only on the
+supported releases (:data:`~hyperdryrun.compat.versions.SUPPORTED_TORCH`: a release past them, run with
+``HYPERDRYRUN_ALLOW_UNSUPPORTED_TORCH``, may key differently) and when torch's ``TensorMetadata`` has the fields this
+module writes (:data:`METADATA_FIELDS`, the same from 2.11 to 2.15); else torch's own method. Tests: ``tests/compat/test_torch_fake_tensor.py`` (every key of a tensor-parallel
 pipeline step equal to torch's, on every supported release).
 """
 
@@ -122,10 +123,15 @@ def _flatten(mode: Any, result: list[object], args: Any, fake_tensor: type) -> N
 
 def cache_key_flattener() -> Callable[..., None]:
     """The ``_prep_args_for_hash`` for a FakeTensorMode subclass: the fast one (module docstring) when torch's
-    ``TensorMetadata`` has :data:`METADATA_FIELDS`, else torch's own."""
+    ``TensorMetadata`` has :data:`METADATA_FIELDS` on a supported release, else torch's own."""
     from torch._subclasses import fake_tensor
 
+    from hyperdryrun.compat.versions import SUPPORTED_TORCH, release, torch_version
+
     torchs = fake_tensor.FakeTensorMode._prep_args_for_hash
+    found = release(torch_version())
+    if found is None or not SUPPORTED_TORCH[0] <= found <= SUPPORTED_TORCH[1]:
+        return torchs
     metadata = getattr(fake_tensor, "TensorMetadata", None)
     if metadata is None or tuple(f.name for f in dataclasses.fields(metadata)) != METADATA_FIELDS:
         return torchs
