@@ -474,3 +474,24 @@ def test_mla_attention_with_tp_splits_the_up_projections_and_replicates_the_low_
     assert stored["layers.1.attention.wq_b"] == 32 * 4 * (16 + 8) * 4 // 2
     assert stored["layers.1.attention.wkv_b"] == 16 * 4 * (16 + 16) * 4 // 2
     assert stored["layers.1.attention.wo"] == 4 * 16 * 128 * 4 // 2
+
+
+def test_expert_parallel_in_the_block_unit_is_refused_where_fsdp2_has_no_per_parameter_mesh(
+    tmp_path, capsys, monkeypatch
+):
+    """torch 2.11's FSDP2 has no ``ShardPlacementResult``: an EP job with torchtitan 0.3.0's units (the experts over
+    their own mesh inside the block's unit) is bad input there, named in one line, with nothing written; the 2024
+    units (the experts their own unit) run."""
+    from hyperdryrun import cli
+    from hyperdryrun.parallel import expert
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(expert, "shard_placement_result", lambda: None)
+    argv = ["run", "--model", "moe-tiny", "--world-size", "4", "--ep", "2", "--seq-len", "32", "--quiet"]
+    assert cli.main([*argv, "--output-dir", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.ep=2 with parallel.fsdp_wrap='torchtitan'" in err[0]
+    assert "torch 2.11 lacks" in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "refused").exists()
+    assert cli.main([*argv, "--fsdp-wrap", "torchtitan-2024", "--output-dir", str(tmp_path / "ran")]) == 0

@@ -305,3 +305,13 @@ def device_mesh_patches() -> list[Patch]:
             "run's FakeTensorMode it is a fake tensor without values (mesh.mesh.tolist() fails)",
         )
     ]
+
+
+def unflatten_mesh(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """``mesh._unflatten(dim, sizes, names)``, the dimension given by its index.
+
+    torch 2.11 (``torch/distributed/device_mesh.py``, ``DeviceMesh._unflatten``) inverts its name check: a
+    dimension the mesh has is refused ("dim dp_shard specified in `_unflatten` is not in ('pp', 'dp_replicate',
+    'dp_shard', 'cp', 'tp')"), which stopped every expert-parallel job at its parallelize step; 2.12 to 2.15 check
+    the name the right way round and take an index alike (they turn a name into its index first)."""
+    return mesh._unflatten(list(mesh.mesh_dim_names).index(dim), sizes, names)

@@ -53,3 +53,12 @@ def spmd_types_supported() -> bool:
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
     return hasattr(FSDPParam, "_spmd_types_to_dtensor")
+
+
+def shard_placement_result() -> Any | None:
+    """FSDP2's per-parameter mesh: a ``shard_placement_fn`` may return a ``ShardPlacementResult`` (placement and
+    mesh) in torch 2.12 to 2.15 (``_fsdp_common.py``), which torchtitan 0.3.0's MoE units use to shard routed
+    experts over their own mesh inside a block's unit; torch 2.11 has only a ``Shard`` (None: feature detection)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    return getattr(_fsdp_common, "ShardPlacementResult", None)

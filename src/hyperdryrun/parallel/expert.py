@@ -21,6 +21,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hyperdryrun.compat.torch_dtensor import unflatten_mesh
+from hyperdryrun.compat.torch_fsdp import shard_placement_result
+from hyperdryrun.config import ConfigError
 from hyperdryrun.models.moe import MLAttention, TokenDispatcher
 from hyperdryrun.parallel.ac import apply_ac
 from hyperdryrun.parallel.fsdp import fsdp_enabled, fsdp_mesh, mixed_precision, shard_embedding_and_head
@@ -37,7 +40,7 @@ def expert_meshes(mesh: Any, dims: ParallelDims) -> tuple[Any, Any, Any]:
     """(ep mesh, mesh that FSDP2 shards the experts over, ep x tp mesh or None) from the world mesh; built outside
     fake mode. The ep x tp mesh exists when experts are also tensor parallel (etp = tp > 1)."""
     p = dims
-    full = mesh._unflatten("dp_shard", (p.dp_shard // p.ep, p.ep), ("dp_shard_mod_ep", "ep"))
+    full = unflatten_mesh(mesh, "dp_shard", (p.dp_shard // p.ep, p.ep), ("dp_shard_mod_ep", "ep"))
     efsdp = full["dp_replicate", "dp_shard_mod_ep"] if p.dp_replicate > 1 else full["dp_shard_mod_ep"]
     ep_tp = full["ep", "tp"] if p.etp > 1 else None
     return full["ep"], efsdp, ep_tp
@@ -372,6 +375,14 @@ def _torchtitan_moe_fsdp(
     over ``dp_mesh``. Under EP, each block prefetches the next one's parameters in forward and the previous one's
     in backward, as torchtitan sets."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if expert_mesh is not None and shard_placement_result() is None:
+        raise ConfigError(
+            f"parallel.ep={dims.ep} with parallel.fsdp_wrap='torchtitan' shards the routed experts over their own "
+            "mesh inside each block's FSDP2 unit (FSDP2's ShardPlacementResult), which torch 2.11 lacks: use torch "
+            "2.12 or later, or parallel.fsdp_wrap: torchtitan-2024 (--fsdp-wrap torchtitan-2024: the experts their "
+            "own unit)"
+        )
     from torch.distributed.tensor import Shard
 
     p = dims
@@ -422,10 +433,10 @@ def _torchtitan_moe_fsdp(
 def _expert_mesh_placement(experts: set, placement: Any, expert_mesh: Any, dp_mesh: Any) -> Any:
     """FSDP2's per-parameter mesh in one unit (torch 2.13 ``ShardPlacementResult``, as torchtitan 0.3.0 uses it):
     routed experts over ``expert_mesh``, every other parameter of the block on dim 0 over ``dp_mesh``."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
     from torch.distributed.tensor import Shard
 
+    ShardPlacementResult = shard_placement_result()
     expert_info, dp_info = _get_mesh_info(expert_mesh, None), _get_mesh_info(dp_mesh, None)
 
     def place(param: nn.Parameter) -> Any:
