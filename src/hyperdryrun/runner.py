@@ -97,20 +97,26 @@ class _Computed:
 
 def error_kind(err: BaseException) -> str:
     """:data:`BAD_INPUT` for what the user can fix (the job description, a value rule the step needs, a job this
-    machine cannot measure, caching-allocator settings), else :data:`INTERNAL`."""
+    machine cannot measure, caching-allocator settings, a layout the installed torch cannot apply), else
+    :data:`INTERNAL`."""
     from hyperdryrun.allocator.options import AllocatorConfigError
     from hyperdryrun.config import ConfigError
     from hyperdryrun.engine import SimulationError
     from hyperdryrun.measure.step import MeasureError
+    from hyperdryrun.parallel.options import LayoutUnsupported  # a layout the installed torch cannot apply
     from hyperdryrun.world.simulated import WorldError  # the world's arguments: a script's mesh_shape
     from hyperdryrun.world.values import ValueRuleError
 
     cause = err.error if isinstance(err, SimulationError) else err
-    return (
-        BAD_INPUT
-        if isinstance(cause, ConfigError | MeasureError | ValueRuleError | AllocatorConfigError | WorldError)
-        else INTERNAL
+    user_fixable = (
+        ConfigError,
+        MeasureError,
+        ValueRuleError,
+        AllocatorConfigError,
+        WorldError,
+        LayoutUnsupported,
     )
+    return BAD_INPUT if isinstance(cause, user_fixable) else INTERNAL
 
 
 def _formatted(err: BaseException) -> str:

@@ -23,10 +23,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyperdryrun.compat.torch_dtensor import unflatten_mesh
 from hyperdryrun.compat.torch_fsdp import shard_placement_result
-from hyperdryrun.config import ConfigError
 from hyperdryrun.models.moe import MLAttention, TokenDispatcher
 from hyperdryrun.parallel.ac import apply_ac
 from hyperdryrun.parallel.fsdp import fsdp_enabled, fsdp_mesh, mixed_precision, shard_embedding_and_head
+from hyperdryrun.parallel.options import LayoutUnsupported
 from hyperdryrun.parallel.tp import apply_tp, decoder_block_tp_plan
 from hyperdryrun.world.values import ValueRuleError, active_rules
 
@@ -377,7 +377,7 @@ def _torchtitan_moe_fsdp(
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if expert_mesh is not None and shard_placement_result() is None:
-        raise ConfigError(
+        raise LayoutUnsupported(
             f"parallel.ep={dims.ep} with parallel.fsdp_wrap='torchtitan' shards the routed experts over their own "
             "mesh inside each block's FSDP2 unit (FSDP2's ShardPlacementResult), which torch 2.11 lacks: use torch "
             "2.12 or later, or parallel.fsdp_wrap: torchtitan-2024 (--fsdp-wrap torchtitan-2024: the experts their "

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 from hyperdryrun.parallel.fsdp import FSDPOptions
 
 
+class LayoutUnsupported(RuntimeError):
+    """A layout the parallelisms cannot apply with the installed torch (the message names the job's fields and the
+    way out): bad input, as a :class:`~hyperdryrun.config.ConfigError` is, which this layer cannot import."""
+
+
 @dataclass(frozen=True)
 class ParallelizeOptions:
     """The options of TP, AC and FSDP2 for one job; the degrees are its :class:`~hyperdryrun.parallel_dims.ParallelDims`.
