@@ -18,8 +18,9 @@ layouts. The same list means the same key, so entries are shared with torch's ow
 touches the key state or the id-hashed objects, so handing a call back leaves nothing half done. Used only on the
 supported releases (:data:`~hyperdryrun.compat.versions.SUPPORTED_TORCH`: a release past them, run with
 ``HYPERDRYRUN_ALLOW_UNSUPPORTED_TORCH``, may key differently) and when torch's ``TensorMetadata`` has the fields this
-module writes (:data:`METADATA_FIELDS`, the same from 2.11 to 2.15); else torch's own method. Tests: ``tests/compat/test_torch_fake_tensor.py`` (every key of a tensor-parallel
-pipeline step equal to torch's, on every supported release).
+module writes (:data:`METADATA_FIELDS`, the same from 2.11 to 2.15); else torch's own method. Tests:
+``tests/compat/test_torch_fake_tensor.py`` (every key of a tensor- and pipeline-parallel dry run and of an
+expert-parallel one equal to torch's, on every supported release).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 from torch._prims_common import suggest_memory_format
+from torch._subclasses.fake_tensor import FakeTensor
 
 METADATA_FIELDS = (
     "dtype", "shape", "stride", "device", "layout", "memory_format", "storage_offset", "storage_bytes",
@@ -50,7 +52,7 @@ _HEADED = frozenset({tuple, list, torch.Size})
 _DICT_VIEWS = frozenset({type({}.keys()), type({}.values())})
 
 
-def _flatten(mode: Any, result: list[object], args: Any, fake_tensor: type) -> None:
+def _flatten(mode: Any, result: list[object], args: Any) -> None:
     """torch's ``_prep_args_for_hash(result, args, ...)`` for the arguments named in the module docstring; raises
     :class:`_TorchsOwn` at anything else (``result`` is then cut back by the caller)."""
     append = result.append
@@ -61,8 +63,8 @@ def _flatten(mode: Any, result: list[object], args: Any, fake_tensor: type) -> N
     elif kind is dict:
         append(dict)
         append(f"length_{len(args)}")
-        _flatten(mode, result, args.keys(), fake_tensor)
-        _flatten(mode, result, args.values(), fake_tensor)
+        _flatten(mode, result, args.keys())
+        _flatten(mode, result, args.values())
         return
     elif kind not in _DICT_VIEWS:
         raise _TorchsOwn
@@ -71,7 +73,7 @@ def _flatten(mode: Any, result: list[object], args: Any, fake_tensor: type) -> N
         if t in _SCALARS:
             append(t)
             append(arg)
-        elif t is fake_tensor:
+        elif t is FakeTensor:
             if (
                 arg.fake_mode is not mode
                 or arg.constant is not None
@@ -116,7 +118,7 @@ def _flatten(mode: Any, result: list[object], args: Any, fake_tensor: type) -> N
                 None,  # sparse_dim
             )
         elif t in _HEADED or t is dict:
-            _flatten(mode, result, arg, fake_tensor)
+            _flatten(mode, result, arg)
         else:
             raise _TorchsOwn
 
@@ -135,12 +137,11 @@ def cache_key_flattener() -> Callable[..., None]:
     metadata = getattr(fake_tensor, "TensorMetadata", None)
     if metadata is None or tuple(f.name for f in dataclasses.fields(metadata)) != METADATA_FIELDS:
         return torchs
-    fake = fake_tensor.FakeTensor
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
         start = len(result)
         try:
-            _flatten(self, result, args, fake)
+            _flatten(self, result, args)
         except _TorchsOwn:
             del result[start:]
             torchs(self, result, args, state, id_hashed_objects)

@@ -375,6 +375,7 @@ def _torchtitan_moe_fsdp(
     over ``dp_mesh``. Under EP, each block prefetches the next one's parameters in forward and the previous one's
     in backward, as torchtitan sets."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import Shard
 
     if expert_mesh is not None and shard_placement_result() is None:
         raise LayoutUnsupported(
@@ -383,7 +384,6 @@ def _torchtitan_moe_fsdp(
             "2.12 or later, or parallel.fsdp_wrap: torchtitan-2024 (--fsdp-wrap torchtitan-2024: the experts their "
             "own unit)"
         )
-    from torch.distributed.tensor import Shard
 
     p = dims
     config = {"mesh": dp_mesh, "mp_policy": mixed_precision(fsdp)}
