@@ -191,6 +191,10 @@ def _bad_inputs(tmp: Path, report_dir: Path) -> dict[str, tuple[Path, str]]:
         "empty_trace": (tmp / "empty.json", "no \\[memory\\] events"),
         "empty_file": (tmp / "empty.csv", "empty file"),
         "foreign_csv": (tmp / "other.csv", "not a memory-block CSV"),
+        "garbage": (
+            tmp / "damaged.pickle",
+            "unrecognised file \\(not a snapshot pickle, JSON or CSV\\): starts 'no",
+        ),
         "error_report": (tmp / "err.json", "an error report"),
         "gz_garbage": (tmp / "g.json.gz", "corrupt gzip"),
     }
@@ -201,6 +205,7 @@ def _bad_inputs(tmp: Path, report_dir: Path) -> dict[str, tuple[Path, str]]:
     cases["empty_trace"][0].write_text(json.dumps({"traceEvents": []}))
     cases["empty_file"][0].write_text("")
     cases["foreign_csv"][0].write_text("a,b,c\n1,2,3\n")
+    cases["garbage"][0].write_text("not a pickle\n")
     cases["error_report"][0].write_text(
         json.dumps(
             {"schema_version": "1.0", "status": "error", "stage": "step", "error": {"message": "boom"}}

@@ -362,4 +362,8 @@ def load_any(path: str | os.PathLike, device: str | None = None) -> StepTrace | 
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise IngestError(p, "unrecognised file (not JSON, CSV or a snapshot pickle)") from None
+    if "," not in text.lstrip().partition("\n")[0]:
+        # no comma in its first line: not a CSV at all (a damaged snapshot, say), so not the CSV reader's complaint
+        first = text.lstrip()[:24]
+        raise IngestError(p, f"unrecognised file (not a snapshot pickle, JSON or CSV): starts {first!r}")
     return load_csv(p, text)
