@@ -341,6 +341,9 @@ def test_tiny_device_memory_is_oom_and_exit_1(tmp_path, capsys):
     assert s["headroom_bytes"] < 0
     assert s["verdict"].startswith("OOM")
     assert "OOM" in out
+    # --quiet's one line gives a small model's peak in MiB (bytes / 2**20, two decimals), not "0.00 GiB"
+    assert s["peak_bytes"] < 2**30 // 10
+    assert out.startswith(f"peak {s['peak_bytes'] / 2**20:,.2f} MiB ({s['peak_phase']}); OOM")
 
 
 def test_large_device_memory_fits_and_exit_0(tmp_path, capsys):

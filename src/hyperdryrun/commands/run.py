@@ -118,13 +118,14 @@ def finish_rank(out: Any, args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from hyperdryrun.report.console import print_summary
+    from hyperdryrun.report.schema import human_bytes
 
     if out.error:
         return exit_code_of([out], args.debug)
     s = out.report["summary"]
     if args.quiet:
         Console().print(
-            f"peak {s['peak_gib']:.2f} GiB ({s['peak_phase']}); {s.get('verdict', '')}".rstrip("; ")
+            f"peak {human_bytes(s['peak_bytes'])} ({s['peak_phase']}); {s.get('verdict', '')}".rstrip("; ")
         )
     else:
         print_summary(out.report, out.paths)

@@ -212,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hyperdryrun.child import ChildDied, ChildFailed, run_in_child
     from hyperdryrun.report.console import print_summary
+    from hyperdryrun.report.schema import human_bytes
 
     try:
         identity = _identity(args)
@@ -260,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quiet:
         what = "measured peak" if args.measure else "peak"
         Console().print(
-            f"{what} {s['peak_gib']:.2f} GiB ({s['peak_phase']}); {s.get('verdict', '')}".rstrip("; ")
+            f"{what} {human_bytes(s['peak_bytes'])} ({s['peak_phase']}); {s.get('verdict', '')}".rstrip("; ")
         )
     else:
         print_summary(outcome["report"], outcome["paths"])
