@@ -312,9 +312,11 @@ def test_the_live_line_counts_the_layouts_waiting_within_the_margin():
         FitOutcome(None, [waiting, running], running={"c": "dp2 1x6 none: rank 0"}), workers=1
     )
     assert state == (
-        "fit 0 · oom 0 · pruned 0 · invalid 0 · failed 0 · 1 within the margin (waiting) · dp2 1x6 none: rank 0 · "
-        "~10 s left for these layouts"
+        "fit 0 · 1 within the margin (waiting) · ~10 s left for the layouts in flight · dp2 1x6 none: rank 0"
     )
+    # the other statuses once they occur, in a fixed order; nothing running: no time left nor layout
+    done = [CandidateResult(None, status) for status in ("failed", "oom", "fits", "oom", "pruned")]
+    assert progress_state(FitOutcome(None, done), workers=1) == "fit 1 · oom 2 · pruned 1 · failed 1"
 
 
 def test_with_top_0_a_free_worker_goes_on_to_the_next_layout_once_a_first_stage_fits():

@@ -326,9 +326,9 @@ def run_fit(args: argparse.Namespace) -> int:
 
 
 class _progress:
-    """A live "candidates done/total · fit · oom · pruned · failed · the layout and rank being simulated · time left
-    for the layouts in flight (:func:`~hyperdryrun.search.fit.eta_in_flight`) · elapsed" line on stderr (a terminal
-    only). A search's total is not known ahead: it stops once ``--top`` layouts fit."""
+    """A live "candidates done/total · fit (and at risk, oom, pruned, invalid, failed once any) · time left for the
+    layouts in flight (:func:`~hyperdryrun.search.fit.eta_in_flight`) · the layout and rank being simulated ·
+    elapsed" line on stderr (a terminal only). A search's total is not known ahead: it stops once ``--top`` layouts fit."""
 
     def __init__(self, show: bool, workers: int = 1) -> None:
         self.show = show
@@ -344,7 +344,7 @@ class _progress:
 
         self._progress = Progress(
             TextColumn("candidates"),
-            BarColumn(),
+            BarColumn(bar_width=12),  # rich's 40 would leave an 80-column terminal little room for the state
             MofNCompleteColumn(),
             TextColumn("{task.fields[state]}"),
             TimeElapsedColumn(),
@@ -372,18 +372,25 @@ def progress_state(outcome: Any, workers: int) -> str:
     from hyperdryrun.search.fit import eta_in_flight
 
     c = outcome.counts()
-    state = f"fit {c['fits']} · oom {c['oom']} · pruned {c['pruned']} · invalid {c['invalid']} · failed {c['failed']}"
-    if c["at_risk"]:
-        state += f" · at risk {c['at_risk']}"
+    # the fits always, the other statuses once they occur (an 80-column terminal cuts the line's end)
+    state = f"fit {c['fits']}" + "".join(
+        f" · {name} {c[key]}"
+        for name, key in (("at risk", "at_risk"), ("oom", "oom"), ("pruned", "pruned"), ("invalid", "invalid"),
+                          ("failed", "failed"))
+        if c[key]
+    )  # fmt: skip
     waiting = sum(1 for r in outcome.results if r.deferred and not r.status)
     if waiting:
         state += f" · {waiting} within the margin (waiting)"
     running = list(outcome.running.values())
-    if running:  # what the workers are simulating now, and how long the layouts they belong to will take
-        state += f" · {running[0]}" + (f" (+{len(running) - 1})" if len(running) > 1 else "")
+    if (
+        running
+    ):  # how long the layouts in flight will take, then what the workers are simulating now (the time
+        # first: a terminal too narrow for the whole line cuts its end)
         left = eta_in_flight(outcome, workers)
         if left is not None:
-            state += f" · ~{_duration(left)} left for these layouts"
+            state += f" · ~{_duration(left)} left for the layouts in flight"
+        state += f" · {running[0]}" + (f" (+{len(running) - 1})" if len(running) > 1 else "")
     return state
 
 
@@ -554,7 +561,7 @@ def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None =
                     method="+".join(methods) + (" (cached)" if r.cached else ""),
                 )
             )  # fmt: skip
-        console.print(layout_table(rows))
+        console.print(layout_table(rows, width=console.width if console.is_terminal else None))
     elif ranked:
         r = ranked[0]
         console.print(f"best: {r.candidate.layout.label()} mbs {r.candidate.layout.micro_batch_size} "

@@ -142,7 +142,7 @@ def fit_layouts(
         routing = job.routing_line()
         if routing:
             console.print(routing, soft_wrap=True)
-        console.print(layout_table(rows))
+        console.print(layout_table(rows, width=console.width if console.is_terminal else None))
         if all(r.step_s is None for r in rows):
             console.print("est. step: — (the job gives no FLOPs); layouts in the job's order", soft_wrap=True)
     if chosen is not None:

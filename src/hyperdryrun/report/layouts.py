@@ -60,11 +60,57 @@ def seconds(s: float | None) -> str:
     return f"{s * 1e3:,.0f} ms" if s < 1 else f"{s:,.2f} s"
 
 
-def layout_table(rows: list[LayoutRow], title: str | None = None) -> Any:
-    """The rich table of ``rows`` (:data:`COLUMNS`)."""
+NARROW_LEFT_OUT = ("method", "classes", "worst rank", "tok/s/GPU", "allocated", "reserved")
+"""The columns a terminal too narrow for the whole table goes without, first to last (the fit, its headroom and
+the device figure it is judged on stay): rich would otherwise cut every cell to a letter and an ellipsis."""
+
+
+def layout_table(rows: list[LayoutRow], title: str | None = None, width: int | None = None) -> Any:
+    """The rich table of ``rows`` (:data:`COLUMNS`). With a ``width`` (a terminal's) narrower than the table: first
+    without the column rules, then without the first of :data:`NARROW_LEFT_OUT` that it takes to fit, named in the
+    caption."""
+    table = _table(rows, title, COLUMNS)
+    if width is None or _natural_width(rows, COLUMNS, ruled=True) <= width:
+        return table
+    left_out: list[str] = []
+    for col in NARROW_LEFT_OUT:
+        if _natural_width(rows, [c for c in COLUMNS if c not in left_out], ruled=False) <= width:
+            break
+        left_out.append(col)
+    table = _table(rows, title, [c for c in COLUMNS if c not in left_out], ruled=False)
+    if left_out:
+        table.caption = (
+            f"left out for the terminal's width: {', '.join(left_out)} (a wider terminal shows them)"
+        )
+        table.caption_justify = "left"
+    return table
+
+
+def _natural_width(rows: list[LayoutRow], columns: Any, ruled: bool) -> int:
+    """The width the table takes with no cell cut, its verdicts' reasons aside (they may wrap)."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(width=10_000, file=_Discard())
+    short = [LayoutRow(**{**r.__dict__, "reason": ""}) for r in rows]
+    return Measurement.get(console, console.options, _table(short, None, columns, ruled)).maximum
+
+
+class _Discard:
+    def write(self, _: str) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+
+def _table(rows: list[LayoutRow], title: str | None, columns: Any, ruled: bool = True) -> Any:
+    from rich import box
     from rich.table import Table
 
     t = Table(
+        box=box.HEAVY_HEAD if ruled else box.SIMPLE_HEAD,
+        collapse_padding=not ruled,  # unruled: one space either side of a column's gap, not two
         title=title,
         title_justify="left",
         title_style="bold",
@@ -72,20 +118,21 @@ def layout_table(rows: list[LayoutRow], title: str | None = None) -> Any:
         pad_edge=False,
         header_style="bold",
     )
-    for col in COLUMNS:
+    for col in columns:
         t.add_column(col, justify="left" if col in LEFT else "right", no_wrap=col == "layout")
     for r in rows:
         verdict = (
             VERDICTS[r.verdict] + (" (chosen)" if r.chosen else "") + (f": {r.reason}" if r.reason else "")
         )
-        t.add_row(
+        cells = dict(zip(COLUMNS, (
             str(r.index), r.layout, r.batch or "—", r.ac or "—", seconds(r.step_s),
             "—" if r.tokens_per_s_per_gpu is None else f"{r.tokens_per_s_per_gpu:,.0f}",
             _gib(r.allocated), _gib(r.reserved), _gib(r.device), _gib(r.headroom), verdict,
             "—" if r.worst_rank is None else str(r.worst_rank), "—" if r.classes is None else str(r.classes),
             r.method or "—",
-        )  # fmt: skip
+        ), strict=True))  # fmt: skip
+        t.add_row(*(cells[c] for c in columns))
     return t
 
 
-__all__ = ["COLUMNS", "LayoutRow", "layout_table", "seconds"]
+__all__ = ["COLUMNS", "NARROW_LEFT_OUT", "LayoutRow", "layout_table", "seconds"]
