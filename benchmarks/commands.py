@@ -49,6 +49,14 @@ SMOKE_JOB = ["--model", "llama-tiny", "--world-size", "2", "--seq-len", "64"]
 SMOKE_FIT = ["--model", "llama-tiny", "--world-size", "2", "--seq-len", "64", "--device-memory-gib", "4",
              "--global-batch-seqs", "4", "--tp", "1", "--pp", "1,2", "--ac", "none"]  # fmt: skip
 
+IMPORTS = (
+    "import torch, torch.distributed.tensor, torch.distributed.fsdp\n"
+    "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+    "FakeTensorMode()\n"
+)
+"""What any dry run of an FSDP2 step needs before its own work: torch, DTensor (its sympy through symbolic shapes),
+FSDP2, and a FakeTensorMode, whose constructor imports ``torch._dynamo``. A fresh process cannot go under it."""
+
 # (what, target CPU seconds) of issue 29
 TARGETS = {"readme": 3.0, "405b": 10.0, "fit70 cold": 120.0, "fit70 cached": 5.0, "fit405 cold": 600.0}
 
@@ -119,6 +127,14 @@ def main() -> None:
             if name not in only:
                 continue  # the README job's floor only, as the searches' unit
             whole = command("run", [*job, "--quiet", "--output-dir", f"{tmp}/{name}"], env)
+            if name == "readme":
+                imports = timed([PY, "-c", IMPORTS], env)
+                rows.append(
+                    f"| imports any dry-run process needs (torch, DTensor, FSDP2, a FakeTensorMode) | "
+                    f"{imports.cpu:.2f} | {imports.wall:.2f} | {imports.cpu / cold[0]:.2f} | "
+                    f"{imports.wall / cold[1]:.2f} | the README job's whole command is {whole.cpu / imports.cpu:.2f}x "
+                    f"this in CPU |"
+                )
             rows.append(
                 f"| `{name}`{tag} whole command | {whole.cpu:.2f} | {whole.wall:.2f} | {whole.cpu / cold[0]:.2f} | "
                 f"{whole.wall / cold[1]:.2f} | floor cold {cold[0]:.2f} / {cold[1]:.2f}, cached {cached[0]:.2f} / "

@@ -48,8 +48,9 @@ def test_commands_benchmark_smoke_runs_each_kind_against_its_floor():
         [sys.executable, str(script), "--smoke"], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| `")]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| `", "| imports"))]
     assert [row.split("|")[1].strip() for row in rows] == [
+        "imports any dry-run process needs (torch, DTensor, FSDP2, a FakeTensorMode)",
         "`readme` (llama-tiny) whole command",
         "`fit70` (llama-tiny) cold",
         "`fit70` (llama-tiny) cached",
