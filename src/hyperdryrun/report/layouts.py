@@ -4,7 +4,7 @@ Face configs included), a script's declared layouts (``script --fit``) and torch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 COLUMNS = (
@@ -88,20 +88,14 @@ def layout_table(rows: list[LayoutRow], title: str | None = None, width: int | N
 
 def _natural_width(rows: list[LayoutRow], columns: Any, ruled: bool) -> int:
     """The width the table takes with no cell cut, its verdicts' reasons aside (they may wrap)."""
+    import io
+
     from rich.console import Console
     from rich.measure import Measurement
 
-    console = Console(width=10_000, file=_Discard())
-    short = [LayoutRow(**{**r.__dict__, "reason": ""}) for r in rows]
+    console = Console(width=10_000, file=io.StringIO())
+    short = [replace(r, reason="") for r in rows]
     return Measurement.get(console, console.options, _table(short, None, columns, ruled)).maximum
-
-
-class _Discard:
-    def write(self, _: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
 
 
 def _table(rows: list[LayoutRow], title: str | None, columns: Any, ruled: bool = True) -> Any:
