@@ -43,8 +43,16 @@ def start(argv: list[str], tmp_path: Path, code: str = "") -> subprocess.Popen:
     driver = f"import sys\n{code}\nfrom hyperdryrun.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         return subprocess.Popen(
-            [sys.executable, "-c", driver, *argv], cwd=tmp_path, env=env, stdout=out, stderr=err
-        )
+            [sys.executable, "-c", driver, *argv], cwd=tmp_path, env=env, stdout=out, stderr=err,
+            preexec_fn=_default_sigint,
+        )  # fmt: skip
+
+
+def _default_sigint() -> None:
+    """The child starts with SIGINT's default action, whatever pytest inherited: a shell without job control starts
+    its background jobs (``nohup ... &``) with SIGINT ignored, which Python and so the command keep (as a command
+    run that way should), and the SIGINT tests would see it run to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def children(pid: int) -> dict[int, str]:

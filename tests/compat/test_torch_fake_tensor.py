@@ -188,5 +188,8 @@ def test_every_key_of_a_step_equals_torchs_and_the_reports_are_the_same(job, tmp
         out = tmp_path / path
         outputs[path] = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     capsys.readouterr()
-    assert keys["fast"] > 1000, keys  # the fast path wrote most keys, each checked equal above
+    # every key was checked equal above; the fast path wrote most of them (78-84 % here). How many keys a run
+    # builds depends on the process's caches that earlier tests warmed (DTensor's sharding propagation): 1,430 alone,
+    # 1,206 in the full suite, for the first job
+    assert keys["equal"] > 500 and keys["fast"] > 0.6 * keys["equal"], keys
     assert len(outputs["torch"]) == 3 and outputs["fast"] == outputs["torch"]
