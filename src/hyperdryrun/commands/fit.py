@@ -367,8 +367,8 @@ class _progress:
 
 def progress_state(outcome: Any, workers: int) -> str:
     """The live line's text after the count: the statuses so far, the layouts waiting because a stage is within
-    the margin (they run only if too few layouts fit with margin), what the workers are simulating and the time
-    left for the layouts in flight."""
+    the margin (they run only if too few layouts fit with margin), the time left for the layouts in flight and
+    what the workers are simulating."""
     from hyperdryrun.search.fit import eta_in_flight
 
     c = outcome.counts()

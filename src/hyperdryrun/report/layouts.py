@@ -60,20 +60,30 @@ def seconds(s: float | None) -> str:
     return f"{s * 1e3:,.0f} ms" if s < 1 else f"{s:,.2f} s"
 
 
-NARROW_LEFT_OUT = ("method", "classes", "worst rank", "tok/s/GPU", "allocated", "reserved")
-"""The columns a terminal too narrow for the whole table goes without, first to last (the fit, its headroom and
-the device figure it is judged on stay): rich would otherwise cut every cell to a letter and an ellipsis."""
+NARROW_LEFT_OUT = ("method", "classes", "worst rank", "tok/s/GPU", "allocated", "reserved", "device")
+"""The columns a terminal too narrow for the whole table goes without, first to last, after the columns with no
+value in any row; never the figure the fit is judged on (:func:`judged_figure`), its headroom or verdict: rich
+would otherwise cut every cell to a letter and an ellipsis."""
+FIGURES = ("device", "reserved", "allocated")
+"""The peak figures, most complete first: fit judges a layout on the most complete one its results have."""
+
+
+def judged_figure(rows: list[LayoutRow]) -> str:
+    """The column of :data:`FIGURES` the verdicts read: the most complete one that any row has."""
+    return next((f for f in FIGURES if any(_cells(r)[f] != "—" for r in rows)), "device")
 
 
 def layout_table(rows: list[LayoutRow], title: str | None = None, width: int | None = None) -> Any:
     """The rich table of ``rows`` (:data:`COLUMNS`). With a ``width`` (a terminal's) narrower than the table: first
-    without the column rules, then without the first of :data:`NARROW_LEFT_OUT` that it takes to fit, named in the
-    caption."""
+    without the column rules, then without the columns that it takes to fit, in :data:`NARROW_LEFT_OUT`'s order
+    after the empty ones, named in the caption."""
     table = _table(rows, title, COLUMNS)
     if width is None or _natural_width(rows, COLUMNS, ruled=True) <= width:
         return table
+    keep = {"#", "layout", "headroom", "verdict", judged_figure(rows)}
+    empty = [c for c in COLUMNS if c not in keep and all(_cells(r)[c] == "—" for r in rows)]
     left_out: list[str] = []
-    for col in NARROW_LEFT_OUT:
+    for col in [*empty, *(c for c in NARROW_LEFT_OUT if c not in keep and c not in empty)]:
         if _natural_width(rows, [c for c in COLUMNS if c not in left_out], ruled=False) <= width:
             break
         left_out.append(col)
@@ -115,18 +125,21 @@ def _table(rows: list[LayoutRow], title: str | None, columns: Any, ruled: bool =
     for col in columns:
         t.add_column(col, justify="left" if col in LEFT else "right", no_wrap=col == "layout")
     for r in rows:
-        verdict = (
-            VERDICTS[r.verdict] + (" (chosen)" if r.chosen else "") + (f": {r.reason}" if r.reason else "")
-        )
-        cells = dict(zip(COLUMNS, (
-            str(r.index), r.layout, r.batch or "—", r.ac or "—", seconds(r.step_s),
-            "—" if r.tokens_per_s_per_gpu is None else f"{r.tokens_per_s_per_gpu:,.0f}",
-            _gib(r.allocated), _gib(r.reserved), _gib(r.device), _gib(r.headroom), verdict,
-            "—" if r.worst_rank is None else str(r.worst_rank), "—" if r.classes is None else str(r.classes),
-            r.method or "—",
-        ), strict=True))  # fmt: skip
+        cells = _cells(r)
         t.add_row(*(cells[c] for c in columns))
     return t
 
 
-__all__ = ["COLUMNS", "NARROW_LEFT_OUT", "LayoutRow", "layout_table", "seconds"]
+def _cells(r: LayoutRow) -> dict[str, str]:
+    """Row ``r``'s text, by column."""
+    verdict = VERDICTS[r.verdict] + (" (chosen)" if r.chosen else "") + (f": {r.reason}" if r.reason else "")
+    return dict(zip(COLUMNS, (
+        str(r.index), r.layout, r.batch or "—", r.ac or "—", seconds(r.step_s),
+        "—" if r.tokens_per_s_per_gpu is None else f"{r.tokens_per_s_per_gpu:,.0f}",
+        _gib(r.allocated), _gib(r.reserved), _gib(r.device), _gib(r.headroom), verdict,
+        "—" if r.worst_rank is None else str(r.worst_rank), "—" if r.classes is None else str(r.classes),
+        r.method or "—",
+    ), strict=True))  # fmt: skip
+
+
+__all__ = ["COLUMNS", "FIGURES", "NARROW_LEFT_OUT", "LayoutRow", "judged_figure", "layout_table", "seconds"]
