@@ -101,6 +101,16 @@ def test_a_report_against_itself_has_zero_error(report_dir, capsys):
     assert res["blocks"]["live_sets_complete"] is True
 
 
+def test_a_report_saved_with_a_byte_order_mark_reads_as_the_report(report_dir, tmp_path, capsys):
+    """An editor that saves UTF-8 with a BOM leaves the JSON a JSON (json reads it): the same report, zero error."""
+    shutil.copytree(report_dir, tmp_path / "bom")
+    bom = tmp_path / "bom" / "rank_0_memory.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + bom.read_bytes())
+    rc, out, err = cli([str(bom), str(report_dir / "rank_0_memory.json"), "--json"], capsys)
+    assert (rc, err) == (0, "")
+    assert json.loads(out)["peak"]["diff"] == 0
+
+
 def test_report_and_its_csv_alone_agree_on_peak_live_set_and_categories(report_dir, capsys):
     rc, out, _ = cli(
         [str(report_dir / "rank_0_memory.json"), str(report_dir / "rank_0_memory.csv"), "--json"], capsys
@@ -190,10 +200,11 @@ def _bad_inputs(tmp: Path, report_dir: Path) -> dict[str, tuple[Path, str]]:
         "object_pickle": (tmp / "obj.pickle", "not a CUDA memory snapshot pickle"),
         "empty_trace": (tmp / "empty.json", "no \\[memory\\] events"),
         "empty_file": (tmp / "empty.csv", "empty file"),
+        "blank_file": (tmp / "blank.csv", "empty file"),
         "foreign_csv": (tmp / "other.csv", "not a memory-block CSV"),
         "garbage": (
             tmp / "damaged.pickle",
-            "unrecognised file \\(not a snapshot pickle, JSON or CSV\\): starts 'no",
+            "unrecognised file \\(not JSON, CSV or a snapshot pickle\\): starts 'no",
         ),
         "error_report": (tmp / "err.json", "an error report"),
         "gz_garbage": (tmp / "g.json.gz", "corrupt gzip"),
@@ -204,6 +215,7 @@ def _bad_inputs(tmp: Path, report_dir: Path) -> dict[str, tuple[Path, str]]:
     cases["object_pickle"][0].write_bytes(pickle.dumps(Path("/")))
     cases["empty_trace"][0].write_text(json.dumps({"traceEvents": []}))
     cases["empty_file"][0].write_text("")
+    cases["blank_file"][0].write_text(" \n\n")
     cases["foreign_csv"][0].write_text("a,b,c\n1,2,3\n")
     cases["garbage"][0].write_text("not a pickle\n")
     cases["error_report"][0].write_text(

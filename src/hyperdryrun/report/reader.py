@@ -350,7 +350,8 @@ def load_any(path: str | os.PathLike, device: str | None = None) -> StepTrace | 
         raw = gunzip(p, raw)  # a gzipped snapshot (``snapshot.pickle.gz``) as well as a ``.json.gz`` trace
     if raw[:1] == PICKLE_MAGIC:
         return trace_from_snapshot(read_snapshot(p, raw), str(p), device)
-    head = raw.lstrip()[:1]
+    # JSON may follow a UTF-8 byte-order mark (json.loads reads it)
+    head = raw.removeprefix(b"\xef\xbb\xbf").lstrip()[:1]
     if head in (b"{", b"["):
         data = read_json(p, raw)
         if _is_report(data):
@@ -362,8 +363,10 @@ def load_any(path: str | os.PathLike, device: str | None = None) -> StepTrace | 
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise IngestError(p, "unrecognised file (not JSON, CSV or a snapshot pickle)") from None
+    if not text.strip():
+        raise IngestError(p, "empty file")
     if "," not in text.lstrip().partition("\n")[0]:
         # no comma in its first line: not a CSV at all (a damaged snapshot, say), so not the CSV reader's complaint
         first = text.lstrip()[:24]
-        raise IngestError(p, f"unrecognised file (not a snapshot pickle, JSON or CSV): starts {first!r}")
+        raise IngestError(p, f"unrecognised file (not JSON, CSV or a snapshot pickle): starts {first!r}")
     return load_csv(p, text)
