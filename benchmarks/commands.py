@@ -129,11 +129,13 @@ def main() -> None:
             whole = command("run", [*job, "--quiet", "--output-dir", f"{tmp}/{name}"], env)
             if name == "readme":
                 imports = timed([PY, "-c", IMPORTS], env)
+                if imports.code:
+                    raise SystemExit(f"the imports floor failed ({imports.code}):\n{imports.out[-2000:]}")
                 rows.append(
                     f"| imports any dry-run process needs (torch, DTensor, FSDP2, a FakeTensorMode) | "
                     f"{imports.cpu:.2f} | {imports.wall:.2f} | {imports.cpu / cold[0]:.2f} | "
-                    f"{imports.wall / cold[1]:.2f} | the README job's whole command is {whole.cpu / imports.cpu:.2f}x "
-                    f"this in CPU |"
+                    f"{imports.wall / cold[1]:.2f} | the `{name}`{tag} whole command below is "
+                    f"{whole.cpu / imports.cpu:.2f}x this in CPU |"
                 )
             rows.append(
                 f"| `{name}`{tag} whole command | {whole.cpu:.2f} | {whole.wall:.2f} | {whole.cpu / cold[0]:.2f} | "
