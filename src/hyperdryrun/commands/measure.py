@@ -146,6 +146,7 @@ def measure_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from hyperdryrun.report.console import print_summary
+    from hyperdryrun.report.schema import human_bytes
     from hyperdryrun.runner import run_rank
 
     warnings: list[str] = []
@@ -168,7 +169,11 @@ def measure_command(args: argparse.Namespace) -> int:
     s = out.report["summary"]
     scratch = out.report["metadata"].get("kernel_scratch") or {}
     if args.quiet:
-        Console().print(f"measured peak {s['peak_gib']:.4f} GiB ({s['peak_phase']})")
+        Console().print(  # the line `run --quiet` and `torchtitan --measure --quiet` print
+            f"measured peak {human_bytes(s['peak_bytes'])} ({s['peak_phase']}); {s.get('verdict', '')}".rstrip(
+                "; "
+            )
+        )
     else:
         print_summary(out.report, out.paths)
         if "peak_bytes_excluding" in scratch:
