@@ -20,9 +20,23 @@ def _short(path: str) -> str:
 
 
 def _table(
-    title: str, *columns: str, right: tuple[str, ...] = (), widths: dict[str, int] | None = None
+    title: str,
+    *columns: str,
+    right: tuple[str, ...] = (),
+    widths: dict[str, int] | None = None,
+    ruled: bool = True,
 ) -> Table:
-    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False, title_style="bold")
+    from rich import box
+
+    t = Table(
+        title=title,
+        title_justify="left",
+        show_edge=False,
+        pad_edge=False,
+        title_style="bold",
+        box=box.HEAVY_HEAD if ruled else box.SIMPLE_HEAD,
+        collapse_padding=not ruled,  # unruled: one space either side of a column's gap, not two
+    )
     for col in columns:
         numeric = col in right
         t.add_column(
@@ -149,23 +163,7 @@ def print_summary(
         mods.add_row(label, _g(nbytes), largest if children > 1 else "")
     console.print(Columns([cats, ph, mods], padding=(0, 4)))
     console.print()
-
-    blk = _table(
-        f"largest of the {live['num_blocks']} blocks live at the peak",
-        "MiB",
-        "category",
-        "op",
-        "module",
-        "phase",
-        "allocated at",
-        right=("MiB",),
-        widths={"op": 28, "module": 28, "allocated at": 24},
-    )
-    for b in live["blocks"][:top]:
-        where = f"{_short(b['stack'][0]['file'])}:{b['stack'][0]['line']}" if b.get("stack") else ""
-        phase = "init" if b["phase"] == "initialization" else b["phase"]
-        blk.add_row(f"{b['size'] / (1 << 20):,.1f}", b["category"], b["op"], b["module"], phase, where)
-    console.print(blk)
+    console.print(blocks_table(live, top, console.width if console.is_terminal else None))
     compiled = [line for line in report.get("limitations", []) if line.startswith("torch.compile region")]
     if compiled:  # what compile did to each region (saved for backward, recomputed), or why it ran eagerly
         console.print()
@@ -173,6 +171,61 @@ def print_summary(
             console.print(line, markup=False, highlight=False)
     for p in paths:
         console.print(f"[dim]wrote {p}[/]", soft_wrap=True)  # a long path stays one line
+
+
+BLOCK_COLUMNS = ("MiB", "category", "op", "module", "phase", "allocated at")
+BLOCKS_LEFT_OUT = ("allocated at", "phase", "module")
+"""The columns of the blocks table that a terminal too narrow for it goes without, first to last (size, category
+and op stay): rich would otherwise cut every cell to a few letters and an ellipsis. The JSON and the block CSV have
+them all."""
+
+
+def blocks_table(live: dict[str, Any], top: int = 8, width: int | None = None) -> Table:
+    """The ``top`` largest blocks live at the peak. With a ``width`` (a terminal's) narrower than the table: first
+    without the column rules, then without the columns that it takes to fit, in :data:`BLOCKS_LEFT_OUT`'s order,
+    named in the caption."""
+    rows = []
+    for b in live["blocks"][:top]:
+        where = f"{_short(b['stack'][0]['file'])}:{b['stack'][0]['line']}" if b.get("stack") else ""
+        phase = "init" if b["phase"] == "initialization" else b["phase"]
+        cells = (f"{b['size'] / (1 << 20):,.1f}", b["category"], b["op"], b["module"], phase, where)
+        rows.append(dict(zip(BLOCK_COLUMNS, cells, strict=True)))
+
+    def build(columns: Sequence[str], ruled: bool) -> Table:
+        t = _table(
+            f"largest of the {live['num_blocks']} blocks live at the peak",
+            *columns,
+            right=("MiB",),
+            widths={"op": 28, "module": 28, "allocated at": 24},
+            ruled=ruled,
+        )
+        for row in rows:
+            t.add_row(*(row[c] for c in columns))
+        return t
+
+    if width is None or _natural_width(build(BLOCK_COLUMNS, True)) <= width:
+        return build(BLOCK_COLUMNS, True)
+    left_out: list[str] = []
+    for col in BLOCKS_LEFT_OUT:
+        if _natural_width(build([c for c in BLOCK_COLUMNS if c not in left_out], False)) <= width:
+            break
+        left_out.append(col)
+    table = build([c for c in BLOCK_COLUMNS if c not in left_out], False)
+    if left_out:
+        table.caption = f"left out for the terminal's width: {', '.join(left_out)} (the block CSV has them)"
+        table.caption_justify = "left"
+    return table
+
+
+def _natural_width(table: Table) -> int:
+    """The width ``table`` takes with no cell cut (beyond its columns' own maximum widths); its title may wrap."""
+    import io
+
+    from rich.measure import Measurement
+
+    console = Console(width=10_000, file=io.StringIO())
+    table.title = None
+    return Measurement.get(console, console.options, table).maximum
 
 
 def print_ranks(
