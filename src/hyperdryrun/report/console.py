@@ -25,6 +25,7 @@ def _table(
     right: tuple[str, ...] = (),
     widths: dict[str, int] | None = None,
     ruled: bool = True,
+    wrap: tuple[str, ...] = (),
 ) -> Table:
     from rich import box
 
@@ -42,8 +43,9 @@ def _table(
         t.add_column(
             col,
             justify="right" if numeric else "left",
-            no_wrap=True,
-            overflow="fold" if numeric else "ellipsis",
+            no_wrap=col
+            not in wrap,  # ``wrap``: a cell that may be long (an error) wraps, and rich narrows it first
+            overflow="fold" if numeric or col in wrap else "ellipsis",
             min_width=len(col) if not numeric or col == "%" else max(len(col), 9),
             max_width=(widths or {}).get(col),
         )
@@ -203,16 +205,37 @@ def blocks_table(live: dict[str, Any], top: int = 8, width: int | None = None) -
             t.add_row(*(row[c] for c in columns))
         return t
 
-    if width is None or _natural_width(build(BLOCK_COLUMNS, True)) <= width:
-        return build(BLOCK_COLUMNS, True)
+    return _fitted(build, BLOCK_COLUMNS, BLOCKS_LEFT_OUT, width, "the block CSV has them")
+
+
+def _fitted(
+    build: Callable[[Sequence[str], bool], Table],
+    columns: Sequence[str],
+    left_out_order: Sequence[str],
+    width: int | None,
+    where_else: str,
+    measure: Callable[[Sequence[str], bool], Table] | None = None,
+) -> Table:
+    """``build(columns, ruled)``'s table as it is where it fits in ``width`` (a terminal's; ``None``: a pipe or a
+    log, the whole table); else without the column rules, then without the columns of ``left_out_order`` (first to
+    last) that it takes to fit, named in the caption (``where_else``: where the reader finds them).
+    ``measure(columns, ruled)``: the table whose width counts, where cells that may wrap or be cut (an error's
+    text) are left out of it (default ``build``)."""
+    measure = measure or build
+
+    def fits(cols: Sequence[str], ruled: bool) -> bool:
+        return _natural_width(measure(cols, ruled)) <= width
+
+    if width is None or fits(columns, True):
+        return build(columns, True)
     left_out: list[str] = []
-    for col in BLOCKS_LEFT_OUT:
-        if _natural_width(build([c for c in BLOCK_COLUMNS if c not in left_out], False)) <= width:
+    for col in left_out_order:
+        if fits([c for c in columns if c not in left_out], False):
             break
         left_out.append(col)
-    table = build([c for c in BLOCK_COLUMNS if c not in left_out], False)
+    table = build([c for c in columns if c not in left_out], False)
     if left_out:
-        table.caption = f"left out for the terminal's width: {', '.join(left_out)} (the block CSV has them)"
+        table.caption = f"left out for the terminal's width: {', '.join(left_out)} ({where_else})"
         table.caption_justify = "left"
     return table
 
@@ -228,32 +251,33 @@ def _natural_width(table: Table) -> int:
     return Measurement.get(console, console.options, table).maximum
 
 
+RANK_CATEGORIES = ("Parameter", "Gradient", "Optstate", "Activation", "Temp")
+RANK_COLUMNS = ("rank", "peak", "phase", *RANK_CATEGORIES, "verdict")
+RANKS_LEFT_OUT = ("Temp", "Gradient", "Optstate", "Parameter", "Activation")
+"""The columns of the ranks table that a terminal too narrow for it goes without, first to last: rank, peak, phase
+and verdict stay (without the rules, rich would drop the last columns, the verdict among them)."""
+
+
 def print_ranks(
     cfg: Any,
     rows: list[tuple[int, dict[str, Any] | None, str | None]],
     paths: Sequence[str] = (),
     quiet: bool = False,
     title: str | None = None,
+    console: Console | None = None,
 ) -> None:
     """One row per simulated rank (peak, phase, what it consists of, verdict), the maximum over them and the files
-    written; ``quiet``: the maximum alone. ``title``: the table's (default: the model and the ranks)."""
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=110)
-    cats = ["Parameter", "Gradient", "Optstate", "Activation", "Temp"]
-    t = _table(
-        title or f"{cfg.model.name}: {len(rows)} of {cfg.world.world_size} ranks",
-        "rank",
-        "peak",
-        "phase",
-        *cats,
-        "verdict",
-        right=("rank", "peak", *cats),
-    )
+    written; ``quiet``: the maximum alone. ``title``: the table's (default: the model and the ranks). In a terminal
+    narrower than the table, without the column rules, then without the categories of :data:`RANKS_LEFT_OUT`."""
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=110)
     best: tuple[int, int] | None = None
+    cells: list[dict[str, str]] = []
     for rank, report, error in rows:
         if report is None or report.get("status") != "ok":
-            t.add_row(str(rank), "", "", *[""] * len(cats), f"[red]error[/]: {error}")
+            cells.append({"rank": str(rank), "verdict": f"[red]error[/]: {error}"})
             continue
         s = report["summary"]
         b = s["breakdown_at_peak"]
@@ -266,9 +290,32 @@ def print_ranks(
             if s.get("at_risk")
             else "[green]fits[/]"
         )
-        t.add_row(str(rank), _g(s["peak_bytes"]), s["peak_phase"], *[_g(b[c]) for c in cats], verdict)
+        row = {"rank": str(rank), "peak": _g(s["peak_bytes"]), "phase": s["peak_phase"], "verdict": verdict}
+        cells.append(row | {c: _g(b[c]) for c in RANK_CATEGORIES})
         if best is None or s["peak_bytes"] > best[1]:
             best = (rank, s["peak_bytes"])
+
+    def build(columns: Sequence[str], ruled: bool, errors: bool = True) -> Table:
+        t = _table(
+            title or f"{cfg.model.name}: {len(rows)} of {cfg.world.world_size} ranks",
+            *columns,
+            right=("rank", "peak", *RANK_CATEGORIES),
+            ruled=ruled,
+            wrap=("verdict",),
+        )
+        for row in cells:
+            verdict = row["verdict"] if errors else row["verdict"].split(":", 1)[0]
+            t.add_row(*(verdict if c == "verdict" else row.get(c, "") for c in columns))
+        return t
+
+    t = _fitted(
+        build,
+        RANK_COLUMNS,
+        RANKS_LEFT_OUT,
+        console.width if console.is_terminal else None,
+        "each rank's JSON has them",
+        measure=lambda columns, ruled: build(columns, ruled, errors=False),
+    )
     if not quiet:
         console.print(t)
     if best is not None:
