@@ -40,11 +40,11 @@ def _table(
     )
     for col in columns:
         numeric = col in right
+        # ``wrap``: a column whose cells may be long (an error's reason) wraps, and rich narrows it first
         t.add_column(
             col,
             justify="right" if numeric else "left",
-            no_wrap=col
-            not in wrap,  # ``wrap``: a cell that may be long (an error) wraps, and rich narrows it first
+            no_wrap=col not in wrap,
             overflow="fold" if numeric or col in wrap else "ellipsis",
             min_width=len(col) if not numeric or col == "%" else max(len(col), 9),
             max_width=(widths or {}).get(col),
