@@ -31,6 +31,12 @@ def test_all_ranks_simulates_one_rank_per_class_with_the_peaks_of_single_runs(tm
     ] + [str(tmp_path / "many" / "rank_classes.json")]
     classes = json.loads((tmp_path / "many" / "rank_classes.json").read_text())
     assert classes["rank_class"] == [0, 0, 1]
+    # the class table gives each class's peak as the ranks table does: a small model's in MiB (bytes / 2**20, two
+    # decimals), not "0.00" GiB
+    class_rows = table.split("rank classes cover all 3 ranks")[1].splitlines()[3:5]
+    for line, row in zip(class_rows, classes["classes"], strict=True):
+        assert row["peak_bytes"] < 2**30 // 10
+        assert f" {row['peak_bytes'] / 2**20:,.2f} MiB " in line, line
     # Each subprocess's report equals the same rank simulated alone in this process, and rank 1, not simulated,
     # has the peak of its class's representative.
     for rank, simulated in ((0, 0), (1, 0), (2, 2)):

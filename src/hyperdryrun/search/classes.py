@@ -368,6 +368,8 @@ def print_rank_classes(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from hyperdryrun.report.schema import human_bytes
+
     console = Console()
     if not console.is_terminal:
         console = Console(width=110)
@@ -379,14 +381,10 @@ def print_rank_classes(report: dict[str, Any]) -> None:
         show_edge=False,
         pad_edge=False,
     )
-    for col in ("class", "simulated rank", "ranks", "count", "peak GiB", "what"):
-        t.add_column(
-            col, justify="right" if col in ("class", "simulated rank", "count", "peak GiB") else "left"
-        )
-    for r in rows:
-        peak = (
-            "error" if r["error"] else ("" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:,.2f}")
-        )
+    for col in ("class", "simulated rank", "ranks", "count", "peak", "what"):
+        t.add_column(col, justify="right" if col in ("class", "simulated rank", "count", "peak") else "left")
+    for r in rows:  # the peak as the ranks table gives it (a small model's in MiB, not "0.00" GiB)
+        peak = "error" if r["error"] else ("" if r["peak_bytes"] is None else human_bytes(r["peak_bytes"]))
         t.add_row(str(r["class"]), str(r["representative"]), r["ranks"], str(r["num_ranks"]), peak, r["what"])
     console.print(t)
 
