@@ -145,8 +145,7 @@ def measure_command(args: argparse.Namespace) -> int:
     """Exit 0 when measured (1 if over ``--device-memory-gib``), 2 on bad input, 3 if the run failed inside."""
     from rich.console import Console
 
-    from hyperdryrun.report.console import print_summary
-    from hyperdryrun.report.schema import human_bytes
+    from hyperdryrun.report.console import print_summary, quiet_line
     from hyperdryrun.runner import run_rank
 
     warnings: list[str] = []
@@ -169,11 +168,7 @@ def measure_command(args: argparse.Namespace) -> int:
     s = out.report["summary"]
     scratch = out.report["metadata"].get("kernel_scratch") or {}
     if args.quiet:
-        Console().print(  # the line `run --quiet` and `torchtitan --measure --quiet` print
-            f"measured peak {human_bytes(s['peak_bytes'])} ({s['peak_phase']}); {s.get('verdict', '')}".rstrip(
-                "; "
-            )
-        )
+        Console().print(quiet_line(s, "measured peak"))
     else:
         print_summary(out.report, out.paths)
         if "peak_bytes_excluding" in scratch:

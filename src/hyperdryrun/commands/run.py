@@ -117,16 +117,13 @@ def finish_rank(out: Any, args: argparse.Namespace) -> int:
     error's, else 1 when the capacity verdict failed ("OOM" or "at risk"), else 0."""
     from rich.console import Console
 
-    from hyperdryrun.report.console import print_summary
-    from hyperdryrun.report.schema import human_bytes
+    from hyperdryrun.report.console import print_summary, quiet_line
 
     if out.error:
         return exit_code_of([out], args.debug)
     s = out.report["summary"]
     if args.quiet:
-        Console().print(
-            f"peak {human_bytes(s['peak_bytes'])} ({s['peak_phase']}); {s.get('verdict', '')}".rstrip("; ")
-        )
+        Console().print(quiet_line(s))
     else:
         print_summary(out.report, out.paths)
     return EXIT_VERDICT if out.verdict_failed else EXIT_OK

@@ -211,8 +211,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from hyperdryrun.child import ChildDied, ChildFailed, run_in_child
-    from hyperdryrun.report.console import print_summary
-    from hyperdryrun.report.schema import human_bytes
+    from hyperdryrun.report.console import print_summary, quiet_line
 
     try:
         identity = _identity(args)
@@ -259,10 +258,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(one_line(outcome["error"]), None, False)
     s = outcome["report"]["summary"]
     if args.quiet:
-        what = "measured peak" if args.measure else "peak"
-        Console().print(
-            f"{what} {human_bytes(s['peak_bytes'])} ({s['peak_phase']}); {s.get('verdict', '')}".rstrip("; ")
-        )
+        Console().print(quiet_line(s, "measured peak" if args.measure else "peak"))
     else:
         print_summary(outcome["report"], outcome["paths"])
     code = EXIT_VERDICT if s.get("oom") or s.get("at_risk") else EXIT_OK

@@ -137,6 +137,16 @@ def device_lines(s: dict[str, Any], top: int = 3) -> list[str]:
     return lines
 
 
+def quiet_line(summary: dict[str, Any], what: str = "peak") -> str:
+    """The one line of ``--quiet`` (``run``, ``measure``, ``torchtitan``): ``what``, the peak in human bytes, its
+    phase and the verdict where there is one."""
+    return (
+        f"{what} {_g(summary['peak_bytes'])} ({summary['peak_phase']}); {summary.get('verdict', '')}".rstrip(
+            "; "
+        )
+    )
+
+
 def print_summary(
     report: dict[str, Any], paths: list[str], console: Console | None = None, top: int = 8
 ) -> None:
