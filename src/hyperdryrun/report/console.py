@@ -215,10 +215,10 @@ def blocks_table(live: dict[str, Any], top: int = 8, width: int | None = None) -
             t.add_row(*(row[c] for c in columns))
         return t
 
-    return _fitted(build, BLOCK_COLUMNS, BLOCKS_LEFT_OUT, width, "the block CSV has them")
+    return fit_to_width(build, BLOCK_COLUMNS, BLOCKS_LEFT_OUT, width, "the block CSV has them")
 
 
-def _fitted(
+def fit_to_width(
     build: Callable[[Sequence[str], bool], Table],
     columns: Sequence[str],
     left_out_order: Sequence[str],
@@ -318,7 +318,7 @@ def print_ranks(
             t.add_row(*(verdict if c == "verdict" else row.get(c, "") for c in columns))
         return t
 
-    t = _fitted(
+    t = fit_to_width(
         build,
         RANK_COLUMNS,
         RANKS_LEFT_OUT,

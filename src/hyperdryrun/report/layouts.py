@@ -77,35 +77,20 @@ def layout_table(rows: list[LayoutRow], title: str | None = None, width: int | N
     """The rich table of ``rows`` (:data:`COLUMNS`). With a ``width`` (a terminal's) narrower than the table: first
     without the column rules, then without the columns that it takes to fit, in :data:`NARROW_LEFT_OUT`'s order
     after the empty ones, named in the caption."""
-    table = _table(rows, title, COLUMNS)
-    if width is None or _natural_width(rows, COLUMNS, ruled=True) <= width:
-        return table
+    from hyperdryrun.report.console import fit_to_width
+
     keep = {"#", "layout", "headroom", "verdict", judged_figure(rows)}
     empty = [c for c in COLUMNS if c not in keep and all(_cells(r)[c] == "—" for r in rows)]
-    left_out: list[str] = []
-    for col in [*empty, *(c for c in NARROW_LEFT_OUT if c not in keep and c not in empty)]:
-        if _natural_width(rows, [c for c in COLUMNS if c not in left_out], ruled=False) <= width:
-            break
-        left_out.append(col)
-    table = _table(rows, title, [c for c in COLUMNS if c not in left_out], ruled=False)
-    if left_out:
-        table.caption = (
-            f"left out for the terminal's width: {', '.join(left_out)} (a wider terminal shows them)"
-        )
-        table.caption_justify = "left"
-    return table
-
-
-def _natural_width(rows: list[LayoutRow], columns: Any, ruled: bool) -> int:
-    """The width the table takes with no cell cut, its verdicts' reasons aside (they may wrap)."""
-    import io
-
-    from rich.console import Console
-    from rich.measure import Measurement
-
-    console = Console(width=10_000, file=io.StringIO())
-    short = [replace(r, reason="") for r in rows]
-    return Measurement.get(console, console.options, _table(short, None, columns, ruled)).maximum
+    left_out_order = [*empty, *(c for c in NARROW_LEFT_OUT if c not in keep and c not in empty)]
+    short = [replace(r, reason="") for r in rows]  # the verdicts' reasons may wrap: not counted in the width
+    return fit_to_width(
+        lambda columns, ruled: _table(rows, title, columns, ruled),
+        COLUMNS,
+        left_out_order,
+        width,
+        "a wider terminal shows them",
+        measure=lambda columns, ruled: _table(short, None, columns, ruled),
+    )
 
 
 def _table(rows: list[LayoutRow], title: str | None, columns: Any, ruled: bool = True) -> Any:
