@@ -217,8 +217,8 @@ def run_ranks(
     on_rank_done: OnRankDone | None = None,
     show_progress: bool | None = None,
 ) -> list[RankOutcome]:
-    """Run each of ``ranks`` of ``cfg``'s job in a fresh worker process, up to ``jobs`` at a time (default: the
-    cores), and write each rank's reports here as it finishes; outcomes in the order of ``ranks``.
+    """Run each of ``ranks`` of ``cfg``'s job in a fresh worker process, up to ``jobs`` at a time (default:
+    :func:`usable_cpus`), and write each rank's reports here as it finishes; outcomes in the order of ``ranks``.
 
     ``on_rank_done`` is called after each rank; without it, ranks done/total are drawn on stderr when stderr is a
     terminal (``show_progress`` True/False forces it on/off)."""
@@ -233,7 +233,7 @@ def run_ranks(
             raise ValueError(f"ranks: rank {r} is given twice (in {ranks})")
     if not ranks:
         return []
-    jobs = min(jobs or os.cpu_count() or 1, len(ranks))
+    jobs = min(jobs or usable_cpus(), len(ranks))
     work = (capture_stacks, execute, mode)
     if on_rank_done is None and (sys.stderr.isatty() if show_progress is None else show_progress):
         from hyperdryrun.report.console import rank_progress
@@ -241,6 +241,17 @@ def run_ranks(
         with rank_progress(len(ranks)) as progress:
             return _in_workers(cfg, ranks, jobs, work, reporters, progress)
     return _in_workers(cfg, ranks, jobs, work, reporters, on_rank_done)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on, the default of ``--jobs``: the fewest of the machine's, its CPU affinity
+    (``taskset``, a Slurm or Kubernetes cpuset) and its container's CPU quota (cgroup ``cpu.max``, ``docker
+    --cpus``), as ``loky.cpu_count`` counts them (``LOKY_MAX_CPU_COUNT`` caps it further). ``os.cpu_count()`` counts
+    the machine's: in a container given 2 of a host's 64 CPUs, 64 workers, each importing torch (~0.4 GB), would
+    share those 2."""
+    from loky import cpu_count
+
+    return cpu_count()
 
 
 def _in_workers(

@@ -118,7 +118,12 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_TOP,
         help=f"stop once the N fastest fitting layouts are known ({DEFAULT_TOP}; 0: all)",
     )
-    run.add_argument("--jobs", type=int, default=None, help="simulations in parallel (default: cores)")
+    run.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="simulations in parallel (default: the CPUs this process may use)",
+    )
     run.add_argument("--executor", choices=("local", "ray"), default="local", help="local processes or Ray")
     run.add_argument("--ray-address", help="Ray cluster to connect to (default: $RAY_ADDRESS)")
     run.add_argument(

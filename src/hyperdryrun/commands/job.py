@@ -254,7 +254,7 @@ def add_many_ranks_flags(parser: Any, all_ranks: str) -> None:
         "--jobs",
         type=int,
         default=None,
-        help="processes in parallel for --ranks/--all-ranks/--fit (default: cores)",
+        help="processes in parallel for --ranks/--all-ranks/--fit (default: the CPUs this process may use)",
     )
 
 

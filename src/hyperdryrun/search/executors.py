@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hyperdryrun.report.build import one_line
-from hyperdryrun.runner import bind_to_parent, stop_signals_blocked
+from hyperdryrun.runner import bind_to_parent, stop_signals_blocked, usable_cpus
 
 
 class _Wait:
@@ -282,10 +282,11 @@ class RayExecutor:
 
 
 def executor_for(kind: str, jobs: int | None, ray_address: str | None = None) -> Any:
-    """``local`` (``jobs`` workers; in this process when 1) or ``ray``."""
+    """``local`` (``jobs`` workers, default :func:`~hyperdryrun.runner.usable_cpus`; in this process when 1) or
+    ``ray``."""
     if kind == "ray":
         return RayExecutor(ray_address, jobs)
     if kind != "local":
         raise ValueError(f"--executor {kind!r}: choose local or ray")
-    n = jobs or os.cpu_count() or 1
+    n = jobs or usable_cpus()
     return InlineExecutor() if n == 1 else LocalExecutor(n)
