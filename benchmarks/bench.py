@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from commands import timed  # benchmarks/commands.py (this script's folder): one process's CPU and wall time
+
 VARIANTS = ("floor", "track", "full", "memtracker", "fsdpmemtracker")
 VARIANT_HELP = {
     "floor": "untracked fake step: same world, same fake mode, no tracker",
@@ -259,13 +261,10 @@ def time_cli(model: str, layers: int, seq: int, reps: int) -> dict[str, Any]:
         cmd += ["--world-size", "8", "--seq-len", str(seq), "--micro-batch-size", "1", "--ac", "none"]
         cmd += ["--output-dir", out, "--quiet"]
         for _ in range(reps):
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            t = time.perf_counter()
-            proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
-            times.append(time.perf_counter() - t)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
-            rc = rc or proc.returncode
+            r = timed(cmd, _env())
+            times.append(r.wall)
+            cpu.append(r.cpu)
+            rc = rc or r.code
     return {
         "median_s": statistics.median(times),
         "min_s": min(times),
