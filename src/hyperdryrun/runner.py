@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hyperdryrun.report.build import one_line
@@ -243,15 +244,66 @@ def run_ranks(
     return _in_workers(cfg, ranks, jobs, work, reporters, on_rank_done)
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on, the default of ``--jobs``: the fewest of the machine's, its CPU affinity
-    (``taskset``, a Slurm or Kubernetes cpuset) and its container's CPU quota (cgroup ``cpu.max``, ``docker
-    --cpus``), as ``loky.cpu_count`` counts them (``LOKY_MAX_CPU_COUNT`` caps it further). ``os.cpu_count()`` counts
-    the machine's: in a container given 2 of a host's 64 CPUs, 64 workers, each importing torch (~0.4 GB), would
-    share those 2."""
-    from loky import cpu_count
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """The CPUs this process may run on, the default of ``--jobs``: its CPU affinity (``taskset``, a cpuset, Slurm's
+    binding), capped by the CPU bandwidth limit of its cgroup (``docker --cpus``, a Kubernetes CPU limit):
+    ``os.cpu_count()`` counts the host's, and in a container given 2 of a host's 64 CPUs, 64 workers, each
+    importing torch (~0.4 GB), would share those 2. What ``loky.cpu_count`` counts; loky itself is not imported
+    for it, since importing it replaces ``multiprocessing.synchronize.SemLock._make_name`` in the importing process.
+    """
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, NotImplementedError, OSError):  # not Linux
+        n = os.cpu_count() or 1
+    limit = cgroup_cpu_limit(cgroup_root, proc_cgroup)
+    return max(1, n if limit is None else min(n, limit))
 
-    return cpu_count()
+
+def cgroup_cpu_limit(
+    cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
+) -> int | None:
+    """The tightest CPU bandwidth limit on this process's cgroup and its ancestors, in CPUs rounded up (quota /
+    period: ``cpu.max`` of cgroup v2, ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` of v1); None: no limit, or no
+    cgroups. A container's own cgroup is its mount's root (a cgroup namespace, or the bind mount of v1), so the walk
+    up from the path ``/proc/self/cgroup`` names stops there."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    root = Path(cgroup_root)
+    limits: list[int] = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: the unified hierarchy (at the root, or under unified/ on a hybrid host)
+            mounts = [root if (root / "cgroup.controllers").exists() else root / "unified"]
+            files = ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            mounts = [root / controllers, root / "cpu", root / "cpu,cpuacct", root / "cpuacct,cpu"]
+            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        for mount in dict.fromkeys(mounts):
+            if mount.is_dir():
+                limits += _limits_up_to(mount, path, files)
+                break
+    return min(limits, default=None)
+
+
+def _limits_up_to(mount: Path, path: str, files: tuple[str, ...]) -> list[int]:
+    out = []
+    here = mount / path.lstrip("/")
+    while True:
+        try:
+            values = " ".join(here.joinpath(f).read_text() for f in files).split()
+        except OSError:
+            values = []
+        if len(values) == 2 and values[0] not in ("max", "-1"):
+            quota, period = int(values[0]), int(values[1])
+            if quota > 0 and period > 0:
+                out.append(-(-quota // period))
+        if here == mount or here == here.parent:
+            return out
+        here = here.parent
 
 
 def _in_workers(
