@@ -504,14 +504,11 @@ def _gib(n: int | None) -> str:
 
 def print_outcome(outcome: Any, quiet: bool = False, written: list[str] | None = None) -> None:
     """The counts, the table of the layouts that fit (fastest first) and what was used to get them."""
-    from rich.console import Console
-
+    from hyperdryrun.report.console import output_console
     from hyperdryrun.report.layouts import seconds
     from hyperdryrun.search.fit import verdict_bytes
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
+    console = output_console(pipe_width=160)
     job, c = outcome.job, outcome.counts()
     seq = job.base.training.seq_len
     device = f"{job.gpu} " if job.gpu else ""

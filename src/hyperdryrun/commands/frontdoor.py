@@ -81,8 +81,7 @@ def fit_layouts(
     the same as ``hyperdryrun fit``'s, the step time where the job gives its FLOPs); the first layout whose every
     class fits with margin is chosen (exit 0), none: exit 1, a failed rank: its exit code. A layout the job rejects
     (its classes raise a ConfigError) is a row saying why."""
-    from rich.console import Console
-
+    from hyperdryrun.report.console import output_console
     from hyperdryrun.report.layouts import LayoutRow, layout_table
 
     cfg = config_for(args.output_dir)
@@ -135,7 +134,7 @@ def fit_layouts(
     chosen = next((r for r in rows if r.verdict == "fits"), None)
     if chosen is not None:
         chosen.chosen = True
-    console = Console() if Console().is_terminal else Console(width=200)
+    console = output_console(pipe_width=200)
     if not args.quiet:
         heading = title or f"{job.title}: {len(layouts)} layouts of {world_size} ranks"
         console.print(f"[bold]{heading}[/] · {world_size} x {target.label()}", soft_wrap=True)

@@ -137,6 +137,13 @@ def device_lines(s: dict[str, Any], top: int = 3) -> list[str]:
     return lines
 
 
+def output_console(pipe_width: int = 110) -> Console:
+    """The console a command's tables print on: the terminal's, else (a log or a pipe) one ``pipe_width`` wide, so
+    that the tables do not fold."""
+    console = Console()
+    return console if console.is_terminal else Console(width=pipe_width)
+
+
 def quiet_line(summary: dict[str, Any], what: str = "peak") -> str:
     """The one line of ``--quiet`` (``run``, ``measure``, ``torchtitan``): ``what``, the peak in human bytes, its
     phase and the verdict where there is one."""
@@ -150,10 +157,7 @@ def quiet_line(summary: dict[str, Any], what: str = "peak") -> str:
 def print_summary(
     report: dict[str, Any], paths: list[str], console: Console | None = None, top: int = 8
 ) -> None:
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=110)  # a log or a pipe: wide enough that the tables do not fold
+    console = console or output_console()
     s = report["summary"]
     for line in headline(report):
         console.print(line)
@@ -279,10 +283,7 @@ def print_ranks(
     """One row per simulated rank (peak, phase, what it consists of, verdict), the maximum over them and the files
     written; ``quiet``: the maximum alone. ``title``: the table's (default: the model and the ranks). In a terminal
     narrower than the table, without the column rules, then without the categories of :data:`RANKS_LEFT_OUT`."""
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=110)
+    console = console or output_console()
     best: tuple[int, int] | None = None
     cells: list[dict[str, str]] = []
     for rank, report, error in rows:

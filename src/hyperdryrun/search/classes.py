@@ -365,14 +365,12 @@ def classes_report(
 
 def print_rank_classes(report: dict[str, Any]) -> None:
     """The class table: which ranks each simulated rank stands for, and its peak."""
-    from rich.console import Console
     from rich.table import Table
 
+    from hyperdryrun.report.console import output_console
     from hyperdryrun.report.schema import human_bytes
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=110)
+    console = output_console()
     rows = report["classes"]
     t = Table(
         title=f"{len(rows)} rank classes cover all {report['world_size']} ranks",
