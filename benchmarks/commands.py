@@ -50,12 +50,15 @@ SMOKE_FIT = ["--model", "llama-tiny", "--world-size", "2", "--seq-len", "64", "-
              "--global-batch-seqs", "4", "--tp", "1", "--pp", "1,2", "--ac", "none"]  # fmt: skip
 
 IMPORTS = (
+    "import gc\n"
+    "gc.disable()\n"
     "import torch, torch.distributed.tensor, torch.distributed.fsdp\n"
     "from torch._subclasses.fake_tensor import FakeTensorMode\n"
     "FakeTensorMode()\n"
 )
 """What any dry run of an FSDP2 step needs before its own work: torch, DTensor (its sympy through symbolic shapes),
-FSDP2, and a FakeTensorMode, whose constructor imports ``torch._dynamo``. A fresh process cannot go under it."""
+FSDP2, and a FakeTensorMode, whose constructor imports ``torch._dynamo``; with the collector paused, as our own
+processes import them (:mod:`hyperdryrun.startup`). A fresh process cannot go under it."""
 
 # (what, target CPU seconds) of issue 29
 TARGETS = {"readme": 3.0, "405b": 10.0, "fit70 cold": 120.0, "fit70 cached": 5.0, "fit405 cold": 600.0}

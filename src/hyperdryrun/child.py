@@ -55,8 +55,12 @@ def signal_name(signum: int) -> str:
 def _child_main(conn: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a process group of its own: what the user's code starts goes with it (_end_group)
+    from hyperdryrun.startup import import_torch_stack, owned_process
+
     try:
-        result = fn(*args, **kwargs)
+        with owned_process():
+            import_torch_stack()
+            result = fn(*args, **kwargs)
     except BaseException as err:  # sent to the parent as plain text: the exception itself may not pickle
         conn.send(("error", (type(err).__name__, str(err), traceback.format_exc())))
     else:

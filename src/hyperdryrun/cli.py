@@ -51,6 +51,9 @@ RUNS_TORCH = frozenset({"run", "measure", "fit", "torchtitan", "script", "audit-
 """The commands that execute a training step on the installed torch: an unsupported or missing torch stops them
 before any work, in one line (:func:`hyperdryrun.compat.versions.torch_problem`); the others only read files and
 run without torch."""
+IMPORTS_TORCH_HERE = RUNS_TORCH - {"torchtitan", "script"}
+"""The commands whose own process imports the dry run's torch stack (:func:`hyperdryrun.startup.import_torch_stack`,
+first thing after parsing); torchtitan and script run their step in a child process, which imports it there."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,9 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     internal error on one line, Ctrl-C and SIGTERM one line each. A closed standard stream is ``/dev/null``
     (:func:`~hyperdryrun.compat.process.open_closed_std_fds`); a stderr that cannot be written is dropped (:class:`_QuietOnFailure`)."""
     from hyperdryrun.compat.process import open_closed_std_fds
+    from hyperdryrun.startup import owned_process
 
     open_closed_std_fds()
-    with guarded_std_streams():
+    with guarded_std_streams(), owned_process():
         return _main(argv)
 
 
@@ -190,6 +194,10 @@ def _main(argv: Sequence[str] | None) -> int:
             check_limits()  # every command reads files or simulates within these: refuse a bad one first
             if args.command in RUNS_TORCH and (problem := torch_problem()):
                 return fail(problem)
+            if args.command in IMPORTS_TORCH_HERE:
+                from hyperdryrun.startup import import_torch_stack
+
+                import_torch_stack()
             code = args.func(args)
             sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit
             return code

@@ -398,12 +398,16 @@ def _worker(
     conn: Any, parent_pid: int, data: dict[str, Any], capture_stacks: bool, execute: Execute | None, mode: str
 ) -> None:
     """A worker process: run one rank and send its report back (never writes a file)."""
+    from hyperdryrun.startup import import_torch_stack, owned_process
+
     bind_to_parent(parent_pid)
     rank = data["world"]["rank"]
     try:
         from hyperdryrun.config import build_config
 
-        done = _simulate(build_config(data), capture_stacks, execute, mode)
+        with owned_process():
+            import_torch_stack()
+            done = _simulate(build_config(data), capture_stacks, execute, mode)
         if done.result is not None:
             done.result.trace = None  # the parent writes from the report and the CSV
     except (BrokenPipeError, KeyboardInterrupt) as err:  # as in the parent's own process: 141, 130

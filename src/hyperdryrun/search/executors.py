@@ -202,20 +202,25 @@ class LocalExecutor:
 
 def _worker(conn: Any, parent_pid: int) -> None:
     """A worker: run tasks until the parent closes the pipe; ignores Ctrl-C and dies with the parent."""
+    from hyperdryrun.startup import import_torch_stack, owned_process
+
     bind_to_parent(parent_pid)
-    while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError):
-            break
-        try:
-            result = run_task(task)
-        except BaseException as err:  # pragma: no cover - run_task catches Exception
-            result = TaskResult(
-                task.key, error=one_line(f"{type(err).__name__}: {err}"), error_kind="internal"
-            )
-            traceback.print_exc()
-        conn.send(result)
+    with owned_process():
+        with contextlib.suppress(Exception):  # a failed import fails again in run_task: the task's error
+            import_torch_stack()
+        while True:
+            try:
+                task = conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                result = run_task(task)
+            except BaseException as err:  # pragma: no cover - run_task catches Exception
+                result = TaskResult(
+                    task.key, error=one_line(f"{type(err).__name__}: {err}"), error_kind="internal"
+                )
+                traceback.print_exc()
+            conn.send(result)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
