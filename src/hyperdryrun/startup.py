@@ -37,7 +37,8 @@ TORCH_STACK = ("hyperdryrun.engine", "hyperdryrun.recipe")
 world's dispatch modes), our engine and presets."""
 
 _owner: list[bool] = []
-"""One entry per open :func:`owned_process` (nested ones are no-ops); its value: whether it froze objects."""
+"""Holds one value while the outermost :func:`owned_process` is open (a nested one adds none): whether
+:func:`import_torch_stack` froze objects in it. Empty: not an owned process."""
 
 
 @contextlib.contextmanager
