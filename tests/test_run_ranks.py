@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from hyperdryrun.cli import main
+from hyperdryrun.commands.run import parse_ranks
 
 
 @pytest.fixture(autouse=True)
@@ -52,9 +54,25 @@ def test_all_ranks_simulates_one_rank_per_class_with_the_peaks_of_single_runs(tm
 
 
 @pytest.mark.parametrize(
+    ("given", "ranks"),
+    [("3", [3]), ("0,7,63", [0, 7, 63]), ("0-3", [0, 1, 2, 3]), ("5-5", [5]), ("60-63,0-1", [60, 61, 62, 63, 0, 1]),
+     (" 2 , 0-1 ,2", [2, 0, 1]), ("7,0-7", [7, 0, 1, 2, 3, 4, 5, 6])],
+)  # fmt: skip
+def test_rank_lists_take_ranges_as_rank_classes_write_them(given, ranks):
+    """``rank_classes.json`` writes a class's ranks as ``0-7``; ``--ranks`` takes that back: inclusive ranges, in
+    the order given, each rank once."""
+    assert parse_ranks(argparse.Namespace(ranks=given, all_ranks=False), 64) == ranks
+
+
+@pytest.mark.parametrize(
     ("argv", "needle"),
     [
         (["--ranks", "0,x"], "--ranks: 'x' is not an integer"),
+        (["--ranks", "1-0"], "--ranks: range '1-0' runs backwards"),
+        (["--ranks", "0-2"], "--ranks: rank 2 must satisfy 0 <= rank < world_size=2"),
+        (["--ranks", "0-"], "--ranks: '' is not an integer"),
+        (["--ranks", "1_0"], "--ranks: '1_0' is not an integer"),
+        (["--ranks", "\u0661"], "--ranks: '\u0661' is not an integer"),
         (["--ranks", "0,5"], "--ranks: rank 5 must satisfy 0 <= rank < world_size=2"),
         (["--ranks", "0", "--all-ranks"], "--ranks and --all-ranks"),
         (["--ranks", "1", "--rank", "0"], "--rank and --ranks/--all-ranks"),

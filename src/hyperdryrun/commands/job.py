@@ -244,7 +244,11 @@ ROUTING_FLAGS = (
 def add_many_ranks_flags(parser: Any, all_ranks: str) -> None:
     """``--ranks``, ``--all-ranks`` (``all_ranks``: what makes a rank class of this front door's job) and
     ``--jobs``, the same on every front door."""
-    parser.add_argument("--ranks", metavar="0,7,63", help="simulate these ranks, each in its own process")
+    parser.add_argument(
+        "--ranks",
+        metavar="0,7,56-63",
+        help="simulate these ranks (a-b: a to b inclusive), each in its own process",
+    )
     parser.add_argument(
         "--all-ranks",
         action="store_true",

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail
+from hyperdryrun.commands import EXIT_OK, EXIT_VERDICT, exit_code_of, fail, plain_int
 from hyperdryrun.commands.job import (
     add_job_arguments,
     add_many_ranks_flags,
@@ -36,24 +36,35 @@ def register(subparsers: Any) -> None:
 
 
 def parse_ranks(args: argparse.Namespace, world_size: int) -> list[int] | None:
-    """The ranks asked for with ``--ranks``/``--all-ranks`` (None: just the one rank of the config)."""
+    """The ranks asked for with ``--ranks``/``--all-ranks`` (None: just the one rank of the config). ``--ranks``
+    takes ranks and inclusive ranges, comma-separated (``0,7,63``, ``0-7,56-63``: how ``rank_classes.json`` writes a
+    class's ranks), in the order given, each rank once."""
     if args.all_ranks and args.ranks:
         raise ConfigError("--ranks and --all-ranks: give one of them")
     if args.all_ranks:
         return list(range(world_size))
     if args.ranks is None:
         return None
-    ranks = []
+    ranks: dict[int, None] = {}
     for part in args.ranks.split(","):
-        try:
-            r = int(part)
-        except ValueError:
-            raise ConfigError(f"--ranks: {part.strip()!r} is not an integer (in {args.ranks!r})") from None
-        if not 0 <= r < world_size:
-            raise ConfigError(f"--ranks: rank {r} must satisfy 0 <= rank < world_size={world_size}")
-        if r not in ranks:
-            ranks.append(r)
-    return ranks
+        first, dash, last = part.partition("-")
+        bounds = [_one_rank(first if dash else part, args.ranks, world_size)]
+        if dash:
+            bounds.append(_one_rank(last, args.ranks, world_size))
+            if bounds[1] < bounds[0]:
+                raise ConfigError(f"--ranks: range {part.strip()!r} runs backwards (in {args.ranks!r})")
+        ranks.update(dict.fromkeys(range(bounds[0], bounds[-1] + 1)))
+    return list(ranks)
+
+
+def _one_rank(text: str, given: str, world_size: int) -> int:
+    try:
+        r = plain_int(text.strip())
+    except ValueError:
+        raise ConfigError(f"--ranks: {text.strip()!r} is not an integer (in {given!r})") from None
+    if not 0 <= r < world_size:
+        raise ConfigError(f"--ranks: rank {r} must satisfy 0 <= rank < world_size={world_size}")
+    return r
 
 
 def run(args: argparse.Namespace) -> int:
