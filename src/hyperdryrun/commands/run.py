@@ -48,12 +48,11 @@ def parse_ranks(args: argparse.Namespace, world_size: int) -> list[int] | None:
     ranks: dict[int, None] = {}
     for part in args.ranks.split(","):
         first, dash, last = part.partition("-")
-        bounds = [_one_rank(first if dash else part, args.ranks, world_size)]
-        if dash:
-            bounds.append(_one_rank(last, args.ranks, world_size))
-            if bounds[1] < bounds[0]:
-                raise ConfigError(f"--ranks: range {part.strip()!r} runs backwards (in {args.ranks!r})")
-        ranks.update(dict.fromkeys(range(bounds[0], bounds[-1] + 1)))
+        lo = _one_rank(first if dash else part, args.ranks, world_size)
+        hi = _one_rank(last, args.ranks, world_size) if dash else lo
+        if hi < lo:
+            raise ConfigError(f"--ranks: range {part.strip()!r} runs backwards (in {args.ranks!r})")
+        ranks.update(dict.fromkeys(range(lo, hi + 1)))
     return list(ranks)
 
 
