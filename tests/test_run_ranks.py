@@ -9,6 +9,7 @@ import pytest
 
 from hyperdryrun.cli import main
 from hyperdryrun.commands.run import parse_ranks
+from hyperdryrun.search.classes import rank_ranges
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +63,16 @@ def test_rank_lists_take_ranges_as_rank_classes_write_them(given, ranks):
     """``rank_classes.json`` writes a class's ranks as ``0-7``; ``--ranks`` takes that back: inclusive ranges, in
     the order given, each rank once."""
     assert parse_ranks(argparse.Namespace(ranks=given, all_ranks=False), 64) == ranks
+
+
+@pytest.mark.parametrize(
+    "ranks", [[0], [0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 16, 17, 18, 19, 40], [5, 63], list(range(64))]
+)
+def test_rank_lists_read_back_what_rank_classes_json_writes(ranks):
+    """A class's ``ranks`` string in ``rank_classes.json`` (:func:`~hyperdryrun.search.classes.rank_ranges`),
+    given to ``--ranks``, asks for exactly that class's ranks."""
+    written = rank_ranges(ranks)
+    assert parse_ranks(argparse.Namespace(ranks=written, all_ranks=False), 64) == ranks
 
 
 @pytest.mark.parametrize(
