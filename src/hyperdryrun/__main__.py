@@ -1,6 +1,6 @@
 """``python -m hyperdryrun``: the ``hyperdryrun`` command line."""
 
-from hyperdryrun.cli import main
+from hyperdryrun.cli import console_main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    console_main()
