@@ -145,3 +145,34 @@ def test_a_flush_that_fails_ends_as_the_interpreter_ends_it(tmp_path):
     assert usual.returncode == 120, usual.stderr
     assert (ours.returncode, ours.stderr.count("No space left on device")) == (120, 1), ours.stderr
     assert "TEARDOWN" in ours.stderr
+
+
+def test_a_profiler_gets_the_usual_exit(tmp_path):
+    """``python -m cProfile -o FILE -m hyperdryrun ...`` writes FILE after the command returns: it must be written."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else SRC
+    result = tmp_path / "result.prof"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cProfile", "-o", str(result), "-m", "hyperdryrun", *RUN, "--tp", "0"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "parallel.tp (--tp)" in proc.stderr  # (the exit code is cProfile's: it swallows the SystemExit)
+    assert result.stat().st_size > 0
+
+
+def test_a_tracer_gets_the_usual_exit(tmp_path):
+    """A trace function (a debugger, ``trace``, coverage's tracer) may have work to do after the command."""
+    proc = _python(
+        "tracer = {}\n"
+        "exec('def trace(*args): return None', tracer)\n"  # not a closure over this module: it would outlive the teardown
+        "sys.settrace(tracer['trace'])\n"
+        "from hyperdryrun.compat.process import exit_without_teardown\n"
+        "exit_without_teardown(5)\n",
+        tmp_path,
+    )
+    assert proc.returncode == 5
+    assert "TEARDOWN" in proc.stderr

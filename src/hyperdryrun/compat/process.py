@@ -95,7 +95,10 @@ def exit_without_teardown(code: int) -> NoReturn:
     atexit functions (``logging``'s flush, ``multiprocessing``'s reaping of children, weakref finalizers, coverage's
     save), then flushes stdout and stderr (a flush that fails does too: the interpreter reports it as it would).
     Only for a process whose command ran none of the user's code: a file their code left open would lose what its
-    buffer holds."""
+    buffer holds. A profiler or tracer attached to the process (``python -m cProfile``, ``trace``, a debugger) gets
+    the usual exit too: what wraps the command writes its results after the command returns."""
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        raise SystemExit(code)
     if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
         raise SystemExit(code)
     atexit._run_exitfuncs()
