@@ -216,6 +216,54 @@ def test_dtensor_speedup_patches_undone_after_run_and_after_failure():
     assert patched() == original
 
 
+def test_an_interrupt_that_torchs_unwinding_turns_into_another_error_still_stops_the_run():
+    """A Ctrl-C inside torch's ``fake_tensor.in_kernel_invocation_manager`` leaves the mode's flag set, and the next
+    fake op on the way out raises ``AssertionError: False, True`` over the interrupt (seen in
+    tests/test_cancellation.py: "rank 0: optimizer failed: AssertionError: False, True", exit 3 and a report). The
+    interrupt is what the run ends with: no SimulationError, and the world undone."""
+    import torch.distributed as dist
+
+    from hyperdryrun import simulate
+
+    def interrupted(model, batch):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise AssertionError("False, True")  # what torch raises while the interrupt unwinds
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        simulate(
+            lambda: torch.nn.Linear(4, 4),
+            lambda i, d: torch.ones(2, 4, device=d),
+            loss_fn=interrupted,
+            world_size=2,
+        )
+    assert caught.value.__cause__ is None and not dist.is_initialized()
+
+
+def test_interrupt_behind_finds_only_an_interrupt():
+    from hyperdryrun.commands import Terminated
+    from hyperdryrun.engine import interrupt_behind
+
+    def raised(first: BaseException, then: BaseException) -> BaseException:
+        try:
+            try:
+                raise first
+            finally:
+                raise then
+        except BaseException as err:
+            return err
+
+    assert interrupt_behind(RuntimeError("a bug")) is None
+    assert interrupt_behind(raised(SystemExit(1), RuntimeError("x"))) is None
+    assert interrupt_behind(raised(RuntimeError("x"), ValueError("y"))) is None
+    term = Terminated()
+    assert interrupt_behind(raised(raised(term, KeyError("k")), AssertionError("False, True"))) is term
+    looped = RuntimeError("loop")
+    looped.__context__ = looped
+    assert interrupt_behind(looped) is None
+
+
 def _foreach_ops_expand_single_dim_strategies() -> bool:
     """Whether DTensor propagates AdamW's foreach ops through single-dim strategies, which the speed-up expands
     (torch 2.12 and later; 2.11 has list strategies of its own for them, and the patch changes nothing there)."""

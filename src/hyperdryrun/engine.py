@@ -51,6 +51,23 @@ class SimulationError(RuntimeError):
         self.stage, self.error = stage, error
 
 
+def interrupt_behind(err: BaseException) -> BaseException | None:
+    """The Ctrl-C or SIGTERM (an exception that is not an ``Exception``: ``KeyboardInterrupt``, the command line's
+    ``Terminated``) that ``err`` was raised while unwinding, if any. torch's fake mode cannot be interrupted
+    everywhere: ``fake_tensor.in_kernel_invocation_manager`` sets the mode's ``in_kernel_invocation`` before the
+    ``try`` that resets it, so an interrupt between the two leaves it set, and the next fake op on the way out (a
+    ``finally`` of FSDP's or of the step) raises ``AssertionError: False, True`` over the interrupt: the run would end
+    as an internal error with a report instead of stopping."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if not isinstance(cause, (Exception, SystemExit, GeneratorExit)):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def user_code_error(message: str) -> Exception:
     """A mistake in the user's own callbacks (``model_fn`` returning a str, ``loss_fn`` returning None,
     ``sys.exit()`` in the step): a :class:`~hyperdryrun.config.ConfigError`, so bad input (exit 2) on one line, not
@@ -350,6 +367,8 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
     except SystemExit as err:  # the user's code called sys.exit(): the step did not run, so not a success
         raise SimulationError(stages[-1], exited(err)) from err
     except Exception as err:
+        if (interrupt := interrupt_behind(err)) is not None:
+            raise interrupt from None
         raise SimulationError(stages[-1], err) from err
     return trace
 

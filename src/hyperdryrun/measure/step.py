@@ -29,6 +29,7 @@ from hyperdryrun.engine import (
     PlanArgs,
     SimulationError,
     StepFn,
+    interrupt_behind,
     job_plan,
     prepare,
     run_metadata,
@@ -166,6 +167,8 @@ def measure_plan(
             del model, optimizer
             trace.limitations += warned()
     except Exception as err:
+        if (interrupt := interrupt_behind(err)) is not None:
+            raise interrupt from None
         raise SimulationError(stages[-1], err) from err
     return trace
 
