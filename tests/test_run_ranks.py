@@ -1,4 +1,4 @@
-"""``run --ranks/--all-ranks``: several ranks, each in its own process, one table and the maximum."""
+"""``run --ranks/--all-ranks``: several ranks in worker processes, one table and the maximum."""
 
 from __future__ import annotations
 

@@ -199,3 +199,62 @@ def test_bad_arguments_are_one_line_errors_before_any_worker_starts(tmp_path, kw
 def test_progress_is_silent_when_stderr_is_not_a_terminal(tmp_path, capfd):
     run_ranks(job(tmp_path), [0], execute=fixture_trace)
     assert capfd.readouterr().err == ""
+
+
+def test_a_dry_run_worker_runs_rank_after_rank_with_the_bytes_of_a_fresh_process(tmp_path, monkeypatch):
+    """The built-in dry run: one worker (``jobs=1``) takes the three ranks one after the other (one process
+    started), and each rank's files are byte for byte those of the rank alone in a fresh worker. Two pipeline
+    stages and two data-parallel ranks: the second rank finds the first's caches warm, the third another stage."""
+    from hyperdryrun import runner
+
+    cfg = build_config(
+        {
+            "model": {"name": "llama-tiny"},
+            "world": {"world_size": 4},
+            "parallel": {"pp": 2, "dp_shard": 2},
+            "training": {"seq_len": 32, "num_micro_batches": 2},
+            "output_dir": str(tmp_path / "together"),
+        }
+    )
+    starts = []
+    start = runner._start_worker
+    monkeypatch.setattr(runner, "_start_worker", lambda *a: starts.append(a[2]) or start(*a))
+    together = run_ranks(cfg, [3, 0, 1], jobs=1, capture_stacks=False)
+    assert starts == [3] and [o.error for o in together] == [None] * 3
+    for rank in (3, 0, 1):
+        alone = build_config({**cfg.model_dump(), "output_dir": str(tmp_path / f"alone_{rank}")})
+        (outcome,) = run_ranks(alone, [rank], jobs=1, capture_stacks=False)
+        assert outcome.error is None
+        theirs = files(tmp_path / f"alone_{rank}")
+        assert theirs and theirs == {p: b for p, b in files(tmp_path / "together").items() if p in theirs}
+    assert starts == [3, 3, 0, 1]  # (each alone: a worker of its own)
+    assert set(files(tmp_path / "together")) == pair(3) | pair(0) | pair(1)
+
+
+def _pid_unless_rank_1(cfg, capture_stacks, execute, mode):
+    """The worker's ``_simulate`` in the test below (a forked worker keeps this test's patch): rank 1 fails, every
+    rank says which process ran it."""
+    from hyperdryrun.runner import _Computed
+
+    rank = cfg.world.rank
+    if rank == 1:
+        return _Computed(rank, None, "rank 1: RuntimeError: a bug", INTERNAL, str(os.getpid()))
+    return _Computed(rank, None, None, None, str(os.getpid()))
+
+
+@pytest.mark.parametrize("execute", [None, fixture_trace], ids=["dry-run", "own-execute"])
+def test_a_failed_rank_retires_its_worker_and_an_own_execute_gets_a_process_per_rank(
+    tmp_path, monkeypatch, execute
+):
+    from hyperdryrun import runner
+
+    monkeypatch.setattr(runner, "_START_METHOD", "fork")  # the worker keeps the patch below
+    monkeypatch.setattr(runner, "_simulate", _pid_unless_rank_1)
+    outcomes = run_ranks(job(tmp_path, world_size=4), [0, 1, 2, 3], jobs=1, execute=execute)
+    assert [o.error is not None for o in outcomes] == [False, True, False, False]
+    pid = [o.traceback for o in outcomes]
+    if execute is None:  # rank 0 and 1 in one worker; after 1 failed, a new one for 2 and 3
+        assert pid[0] == pid[1] != pid[2] == pid[3]
+    else:
+        assert len(set(pid)) == 4
+    assert multiprocessing.active_children() == []

@@ -1,4 +1,4 @@
-"""Run a job's ranks and write their reports: one rank in this process, or several, each in a fresh worker process.
+"""Run a job's ranks and write their reports: one rank in this process, or several in worker processes.
 
 The library behind ``hyperdryrun run`` and ``hyperdryrun measure`` (and the place for a layout search or a cluster
 executor to start from)::
@@ -11,10 +11,11 @@ executor to start from)::
         for outcome in run_ranks(cfg, [0, 3], jobs=2):
             print(outcome.rank, outcome.report["summary"]["peak_bytes"], outcome.paths)
 
-A simulation owns process-global state (the process group, torch patches), so each rank of :func:`run_ranks` runs
-in its own spawned process. Workers only compute; this process writes every file as each rank finishes, so stopping
-a run (Ctrl-C, SIGTERM, an exception, a callback that raises) kills the workers at once and writes nothing after it.
-A worker also dies with this process (Linux: ``PR_SET_PDEATHSIG``; elsewhere a watchdog thread).
+A simulation owns process-global state (the process group, torch patches), so the ranks of :func:`run_ranks` run in
+spawned worker processes, up to ``jobs`` at a time; a dry-run worker runs rank after rank (:func:`_worker`). Workers
+only compute; this process writes every file as each rank finishes, so stopping a run (Ctrl-C, SIGTERM, an
+exception, a callback that raises) kills the workers at once and writes nothing after it. A worker also dies with
+this process (Linux: ``PR_SET_PDEATHSIG``; elsewhere a watchdog thread).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ worker can import it. One with a ``job_metadata(cfg) -> dict`` method says what 
 OnRankDone = Callable[["RankOutcome", int, int], None]
 """``on_rank_done(outcome, done, total)``, called in this process after each rank's reports are written."""
 
+_START_METHOD = "spawn"
+"""How workers start: a fresh interpreter (a fork of a process whose torch runs threads is not safe)."""
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
@@ -218,8 +221,9 @@ def run_ranks(
     on_rank_done: OnRankDone | None = None,
     show_progress: bool | None = None,
 ) -> list[RankOutcome]:
-    """Run each of ``ranks`` of ``cfg``'s job in a fresh worker process, up to ``jobs`` at a time (default:
-    :func:`usable_cpus`), and write each rank's reports here as it finishes; outcomes in the order of ``ranks``.
+    """Run ``ranks`` of ``cfg``'s job in up to ``jobs`` worker processes at a time (default: :func:`usable_cpus`;
+    the built-in dry run's workers take rank after rank, a measured or front door's rank gets a fresh process:
+    :func:`_worker`), and write each rank's reports here as it finishes; outcomes in the order of ``ranks``.
 
     ``on_rank_done`` is called after each rank; without it, ranks done/total are drawn on stderr when stderr is a
     terminal (``show_progress`` True/False forces it on/off)."""
@@ -317,25 +321,33 @@ def _in_workers(
     import multiprocessing
     from multiprocessing.connection import wait
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(_START_METHOD)
     data = cfg.model_dump()
+    reuse = work[1] is None  # the built-in dry run: see _worker
+    metadata = {"mode": work[2], "world_size": cfg.world.world_size}
     waiting = list(ranks)
-    running: dict[Any, tuple[int, Any]] = {}  # the pipe a worker answers on -> (rank, process)
+    running: dict[Any, tuple[int, Any]] = {}  # the pipe to a worker -> (the rank it runs, the process)
     outcomes: dict[int, RankOutcome] = {}
     try:
         while waiting or running:
             while waiting and len(running) < jobs:
                 rank = waiting.pop(0)
-                _start_worker(ctx, running, rank, ({**data, "world": {**data["world"], "rank": rank}}, *work))
+                _start_worker(ctx, running, rank, (data, *work))
             for conn in wait(list(running)):
                 rank, proc = running[conn]
-                done = _receive(conn, proc, rank, {"mode": work[2], "world_size": cfg.world.world_size})
-                del running[conn]
-                if done.kind in _STOPPED:  # the other workers are killed below, nothing more is written
+                done = _receive(conn, proc, rank, metadata)
+                if (
+                    done.kind in _STOPPED
+                ):  # every worker, this one too, is killed below; nothing more is written
                     raise _STOPPED[done.kind]()
                 outcomes[rank] = _write(done, cfg.output_dir, reporters)
                 if on_rank_done is not None:
                     on_rank_done(outcomes[rank], len(outcomes), len(ranks))
+                if reuse and waiting and done.error is None and _give(conn, waiting[0]):
+                    running[conn] = (waiting.pop(0), proc)  # the same worker runs the next rank
+                else:
+                    _retire(conn, proc)
+                    del running[conn]
     except BaseException:
         _kill(running)
         raise
@@ -357,30 +369,46 @@ def stop_signals_blocked() -> Iterator[None]:
 
 
 def _start_worker(ctx: Any, running: dict[Any, tuple[int, Any]], rank: int, args: tuple) -> None:
-    receive, send = ctx.Pipe(duplex=False)
+    here, there = ctx.Pipe()
     proc = ctx.Process(
-        target=_worker, args=(send, os.getpid(), *args), name=f"hyperdryrun-rank-{rank}", daemon=True
+        target=_worker, args=(there, os.getpid(), rank, *args), name=f"hyperdryrun-worker-{rank}", daemon=True
     )
     try:
         with stop_signals_blocked():
             proc.start()
-            running[receive] = (rank, proc)
+            running[here] = (rank, proc)
     except BaseException:
-        receive.close()
+        here.close()
         raise
     finally:
-        send.close()  # the worker holds the only write end: its death reads as end of file here
+        there.close()  # the worker holds the only other end: its death reads as end of file here, and ours there
 
 
 def _receive(conn: Any, proc: Any, rank: int, metadata: dict[str, Any]) -> _Computed:
+    """The answer of the worker running ``rank``; one that died first: reaped, its error report."""
     try:
-        done = conn.recv()
+        return conn.recv()
     except (EOFError, OSError):
+        conn.close()
         proc.join()
-        done = _died(rank, proc.exitcode, metadata)
+        return _died(rank, proc.exitcode, metadata)
+
+
+def _give(conn: Any, rank: int) -> bool:
+    """Send a worker the next rank; False if it is gone."""
+    try:
+        conn.send(rank)
+    except OSError:
+        return False
+    return True
+
+
+def _retire(conn: Any, proc: Any) -> None:
+    """Let a worker go (None for a next rank: it exits; one that exited already does not read it) and reap it."""
+    with contextlib.suppress(OSError):
+        conn.send(None)
     conn.close()
     proc.join()
-    return done
 
 
 def _kill(running: dict[Any, tuple[int, Any]]) -> None:
@@ -395,27 +423,48 @@ def _kill(running: dict[Any, tuple[int, Any]]) -> None:
 
 
 def _worker(
-    conn: Any, parent_pid: int, data: dict[str, Any], capture_stacks: bool, execute: Execute | None, mode: str
+    conn: Any,
+    parent_pid: int,
+    rank: int,
+    data: dict[str, Any],
+    capture_stacks: bool,
+    execute: Execute | None,
+    mode: str,
 ) -> None:
-    """A worker process: run one rank and send its report back (never writes a file)."""
+    """A worker process: run ``rank`` of the job ``data`` and send its report back (it never writes a file); then,
+    for the built-in dry run (``execute`` None), each further rank the parent sends, until it sends None or closes
+    the pipe. A rank after the first finds torch imported and its caches warm (the fake-tensor dispatch cache, DTensor's
+    sharding propagation): the same bytes as in a fresh process (``tests/test_runner.py``), since a simulation
+    leaves the process's globals as it found them. A measured rank or a front door's own code (``execute``) gets a
+    process of its own: a real device's caching allocator keeps what an earlier rank reserved, and a user's code
+    may keep state of its own. After a failed rank the parent retires the worker."""
     from hyperdryrun.startup import import_torch_stack, owned_process
 
     bind_to_parent(parent_pid)
-    rank = data["world"]["rank"]
-    try:
-        from hyperdryrun.config import build_config
+    with owned_process():
+        while True:
+            try:
+                from hyperdryrun.config import build_config
 
-        with owned_process():
-            import_torch_stack()
-            done = _simulate(build_config(data), capture_stacks, execute, mode)
-        if done.result is not None:
-            done.result.trace = None  # the parent writes from the report and the CSV
-    except (BrokenPipeError, KeyboardInterrupt) as err:  # as in the parent's own process: 141, 130
-        done = _Computed(rank, None, f"rank {rank}: {type(err).__name__}", type(err).__name__)
-    except Exception as err:
-        done = _Computed(rank, None, one_line(f"rank {rank}: {type(err).__name__}: {err}"), error_kind(err))
-        done.traceback = _formatted(err)
-    conn.send(done)
+                import_torch_stack()
+                one = build_config({**data, "world": {**data["world"], "rank": rank}})
+                done = _simulate(one, capture_stacks, execute, mode)
+                if done.result is not None:
+                    done.result.trace = None  # the parent writes from the report and the CSV
+            except (BrokenPipeError, KeyboardInterrupt) as err:  # as in the parent's own process: 141, 130
+                done = _Computed(rank, None, f"rank {rank}: {type(err).__name__}", type(err).__name__)
+            except Exception as err:
+                done = _Computed(
+                    rank, None, one_line(f"rank {rank}: {type(err).__name__}: {err}"), error_kind(err)
+                )
+                done.traceback = _formatted(err)
+            try:
+                conn.send(done)
+                rank = conn.recv() if execute is None else None
+            except (EOFError, OSError):
+                rank = None
+            if rank is None:
+                break
     conn.close()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a stdout whose reader has gone: the answer is sent

@@ -93,12 +93,12 @@ def test_a_long_setup_and_many_ranks_each_warn_on_one_line(capsys):
     small = build_config({"model": {"name": "llama-tiny"}, "world": {"world_size": 256}})
     assert check_host_cost(small) == []
     assert check_host_cost(small, ranks=256, jobs=2) == [
-        "256 ranks to simulate, each a whole simulation in its own process (2 at a time)"
+        "256 ranks to simulate, each a whole simulation in a worker process (2 at a time)"
     ]
     args = build_parser().parse_args(["run", "--model", "llama-tiny", "--world-size", "256", "--all-ranks"])
     job_from_args(args, {})
     assert capsys.readouterr().err == (
-        "hyperdryrun: warning: 256 ranks to simulate, each a whole simulation in its own process (as many at a "
+        "hyperdryrun: warning: 256 ranks to simulate, each a whole simulation in a worker process (as many at a "
         "time as there are cores)\n"
     )
 

@@ -247,7 +247,7 @@ def add_many_ranks_flags(parser: Any, all_ranks: str) -> None:
     parser.add_argument(
         "--ranks",
         metavar="0,7,56-63",
-        help="simulate these ranks (a-b: a to b inclusive), each in its own process",
+        help="simulate these ranks (a-b: a to b inclusive) in worker processes, up to --jobs at a time",
     )
     parser.add_argument(
         "--all-ranks",
@@ -531,5 +531,5 @@ def check_host_cost(cfg: JobConfig, ranks: int = 1, jobs: int | None = None) -> 
         )
     if ranks > WARN_RANKS:
         at = f"{jobs} at a time" if jobs else "as many at a time as there are cores"
-        warnings.append(f"{ranks} ranks to simulate, each a whole simulation in its own process ({at})")
+        warnings.append(f"{ranks} ranks to simulate, each a whole simulation in a worker process ({at})")
     return warnings
