@@ -176,3 +176,17 @@ def test_a_tracer_gets_the_usual_exit(tmp_path):
     )
     assert proc.returncode == 5
     assert "TEARDOWN" in proc.stderr
+
+
+def test_a_worker_ends_with_its_atexit_functions_and_no_teardown(tmp_path):
+    """``end_worker``: what a compiled job's Inductor registered (a semaphore's finalizer) runs, so the resource
+    tracker has nothing to report leaked; exit code 0; no teardown."""
+    proc = _python(
+        "import multiprocessing\n"
+        "lock = multiprocessing.get_context('spawn').Lock()  # a named semaphore, registered with the tracker\n"
+        "from hyperdryrun.compat.process import end_worker\n"
+        "end_worker()\n",
+        tmp_path,
+    )
+    assert (proc.returncode, proc.stdout) == (0, "ATEXIT\n")
+    assert "TEARDOWN" not in proc.stderr and "leaked semaphore" not in proc.stderr, proc.stderr

@@ -232,29 +232,64 @@ def test_a_dry_run_worker_runs_rank_after_rank_with_the_bytes_of_a_fresh_process
 
 
 def _pid_unless_rank_1(cfg, capture_stacks, execute, mode):
-    """The worker's ``_simulate`` in the test below (a forked worker keeps this test's patch): rank 1 fails, every
-    rank says which process ran it."""
+    """The worker's ``_simulate`` in the test below (a forked worker keeps this test's patch): rank 1 fails, rank 3's
+    step warned, every rank says which process ran it."""
     from hyperdryrun.runner import _Computed
 
     rank = cfg.world.rank
     if rank == 1:
         return _Computed(rank, None, "rank 1: RuntimeError: a bug", INTERNAL, str(os.getpid()))
-    return _Computed(rank, None, None, None, str(os.getpid()))
+    return _Computed(rank, None, None, None, str(os.getpid()), warned=rank == 3)
 
 
 @pytest.mark.parametrize("execute", [None, fixture_trace], ids=["dry-run", "own-execute"])
-def test_a_failed_rank_retires_its_worker_and_an_own_execute_gets_a_process_per_rank(
+def test_a_failed_or_warned_rank_retires_its_worker_and_an_own_execute_gets_a_process_per_rank(
     tmp_path, monkeypatch, execute
 ):
     from hyperdryrun import runner
 
     monkeypatch.setattr(runner, "_START_METHOD", "fork")  # the worker keeps the patch below
     monkeypatch.setattr(runner, "_simulate", _pid_unless_rank_1)
-    outcomes = run_ranks(job(tmp_path, world_size=4), [0, 1, 2, 3], jobs=1, execute=execute)
-    assert [o.error is not None for o in outcomes] == [False, True, False, False]
+    outcomes = run_ranks(job(tmp_path, world_size=6), [0, 1, 2, 3, 4, 5], jobs=1, execute=execute)
+    assert [o.error is not None for o in outcomes] == [False, True, False, False, False, False]
     pid = [o.traceback for o in outcomes]
-    if execute is None:  # rank 0 and 1 in one worker; after 1 failed, a new one for 2 and 3
-        assert pid[0] == pid[1] != pid[2] == pid[3]
+    if (
+        execute is None
+    ):  # 0 and 1 in one worker; after 1 failed, 2 and 3 in a new one; after 3 warned, 4 and 5
+        assert pid[0] == pid[1] != pid[2] == pid[3] != pid[4] == pid[5] and pid[0] != pid[4]
     else:
-        assert len(set(pid)) == 4
+        assert len(set(pid)) == 6
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_a_compiled_job_warns_once_per_process_so_its_worker_retires(tmp_path, monkeypatch):
+    """torch logs some compile warnings once per process (``warning_once``): the second rank of a worker would lack
+    them in its report's limitations. Each rank of a compiled job gets its own worker, and each rank's files are
+    those of the rank alone (seen: rank 4's JSON lacked two "warned during the simulated step" lines)."""
+    from hyperdryrun import runner
+
+    cfg = build_config(
+        {
+            "model": {"name": "llama-tiny"},
+            "world": {"world_size": 4},
+            "parallel": {"pp": 2, "dp_shard": 2},
+            "training": {"seq_len": 32, "num_micro_batches": 2, "compile": True},
+            "output_dir": str(tmp_path / "together"),
+        }
+    )
+    starts = []
+    start = runner._start_worker
+    monkeypatch.setattr(runner, "_start_worker", lambda *a: starts.append(a[2]) or start(*a))
+    together = run_ranks(cfg, [0, 2], jobs=1, capture_stacks=False)
+    assert [o.error for o in together] == [None, None] and starts == [0, 2]
+    assert any(x.startswith("warned during the simulated step") for x in together[0].report["limitations"])
+    (alone,) = run_ranks(
+        build_config({**cfg.model_dump(), "output_dir": str(tmp_path / "alone")}),
+        [2],
+        jobs=1,
+        capture_stacks=False,
+    )
+    assert files(tmp_path / "alone") == {
+        p: b for p, b in files(tmp_path / "together").items() if "rank_2/" in p
+    }

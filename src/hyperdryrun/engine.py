@@ -373,6 +373,10 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
     return trace
 
 
+WARNED = "warned during the simulated step"
+"""How a limitation of :func:`warnings_as_limitations` begins."""
+
+
 @contextlib.contextmanager
 def warnings_as_limitations() -> Iterator[Callable[[], list[str]]]:
     """Record every Python warning raised inside (torch's ``UserWarning`` that an FSDP2 module returned a view,
@@ -393,7 +397,7 @@ def warnings_as_limitations() -> Iterator[Callable[[], list[str]]]:
             for text in logged:
                 counts[text] = counts.get(text, 0) + 1
             return [
-                f"warned during the simulated step ({n} time{'s' if n > 1 else ''}): {' '.join(text.split())}"
+                f"{WARNED} ({n} time{'s' if n > 1 else ''}): {' '.join(text.split())}"
                 for text, n in counts.items()
             ]
 

@@ -97,6 +97,9 @@ class _Computed:
     error: str | None = None
     kind: str | None = None
     traceback: str | None = None
+    warned: bool = False
+    """The step raised warnings (its report's "warned during the simulated step" limitations): torch logs some once
+    per process (``warning_once``), so a next rank in the same worker would miss them and its worker retires."""
 
 
 def error_kind(err: BaseException) -> str:
@@ -343,7 +346,7 @@ def _in_workers(
                 outcomes[rank] = _write(done, cfg.output_dir, reporters)
                 if on_rank_done is not None:
                     on_rank_done(outcomes[rank], len(outcomes), len(ranks))
-                if reuse and waiting and done.error is None and _give(conn, waiting[0]):
+                if reuse and waiting and done.error is None and not done.warned and _give(conn, waiting[0]):
                     running[conn] = (waiting.pop(0), proc)  # the same worker runs the next rank
                 else:
                     _retire(conn, proc)
@@ -433,11 +436,12 @@ def _worker(
 ) -> None:
     """A worker process: run ``rank`` of the job ``data`` and send its report back (it never writes a file); then,
     for the built-in dry run (``execute`` None), each further rank the parent sends, until it sends None or closes
-    the pipe. A rank after the first finds torch imported and its caches warm (the fake-tensor dispatch cache, DTensor's
-    sharding propagation): the same bytes as in a fresh process (``tests/test_runner.py``), since a simulation
-    leaves the process's globals as it found them. A measured rank or a front door's own code (``execute``) gets a
-    process of its own: a real device's caching allocator keeps what an earlier rank reserved, and a user's code
-    may keep state of its own. After a failed rank the parent retires the worker."""
+    the pipe. A rank after the first finds torch imported and its caches warm (the fake-tensor dispatch cache,
+    DTensor's sharding propagation) and writes the bytes a fresh process writes (``tests/test_runner.py``,
+    ``tests/test_determinism.py``): a simulation leaves the process's globals as it found them. But for torch's
+    once-per-process warnings: after a rank whose step warned (:attr:`_Computed.warned`), as after a failed rank,
+    the worker retires. A measured rank or a front door's own code (``execute``) gets a process of its own: a real
+    device's caching allocator keeps what an earlier rank reserved, and a user's code may keep state of its own."""
     from hyperdryrun.startup import import_torch_stack, owned_process
 
     bind_to_parent(parent_pid)
@@ -447,9 +451,13 @@ def _worker(
                 from hyperdryrun.config import build_config
 
                 import_torch_stack()
+                from hyperdryrun.engine import WARNED
+
                 one = build_config({**data, "world": {**data["world"], "rank": rank}})
                 done = _simulate(one, capture_stacks, execute, mode)
                 if done.result is not None:
+                    if done.result.trace is not None:
+                        done.warned = any(x.startswith(WARNED) for x in done.result.trace.limitations)
                     done.result.trace = None  # the parent writes from the report and the CSV
             except (BrokenPipeError, KeyboardInterrupt) as err:  # as in the parent's own process: 141, 130
                 done = _Computed(rank, None, f"rank {rank}: {type(err).__name__}", type(err).__name__)
@@ -460,16 +468,15 @@ def _worker(
                 done.traceback = _formatted(err)
             try:
                 conn.send(done)
-                rank = conn.recv() if execute is None else None
+                rank = conn.recv() if execute is None and not done.warned else None
             except (EOFError, OSError):
                 rank = None
             if rank is None:
                 break
     conn.close()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a stdout whose reader has gone: the answer is sent
-            stream.flush()
-    os._exit(0)  # no interpreter teardown: the parent is waiting to reap this process
+    from hyperdryrun.compat.process import end_worker
+
+    end_worker()
 
 
 def bind_to_parent(parent_pid: int) -> None:

@@ -5,6 +5,7 @@ architecture scan, ``tests/test_architecture.py``, finds such edits anywhere els
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -111,9 +112,24 @@ def exit_without_teardown(code: int) -> NoReturn:
     os._exit(code)
 
 
+def end_worker() -> NoReturn:
+    """End a worker process whose answer is sent, without the interpreter's teardown (its parent is waiting to reap
+    it): the atexit functions first, as in :func:`exit_without_teardown` (``multiprocessing``'s finalizers: a
+    semaphore that a compiled job's Inductor made is unregistered from the resource tracker, which otherwise warned
+    "There appear to be 1 leaked semaphore objects" at the parent's exit), then stdout and stderr flushed where they
+    still can be (a reader that went away has had the answer already), then ``os._exit(0)``."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+    os._exit(0)
+
+
 __all__ = [
     "argv_patch",
     "broken_pipe_patch",
+    "end_worker",
     "excepthook_patch",
     "exit_without_teardown",
     "open_closed_std_fds",

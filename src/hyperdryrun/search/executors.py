@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import time
 import traceback
 from collections.abc import Iterable, Iterator
@@ -221,9 +220,9 @@ def _worker(conn: Any, parent_pid: int) -> None:
                 )
                 traceback.print_exc()
             conn.send(result)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from hyperdryrun.compat.process import end_worker
+
+    end_worker()
 
 
 class RayExecutor:
