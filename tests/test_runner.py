@@ -234,12 +234,14 @@ def test_a_dry_run_worker_runs_rank_after_rank_with_the_bytes_of_a_fresh_process
 def _pid_unless_rank_1(cfg, capture_stacks, execute, mode):
     """The worker's ``_simulate`` in the test below (a forked worker keeps this test's patch): rank 1 fails, rank 3's
     step warned, every rank says which process ran it."""
+    from hyperdryrun.report.reporters import RankReport
     from hyperdryrun.runner import _Computed
 
     rank = cfg.world.rank
     if rank == 1:
         return _Computed(rank, None, "rank 1: RuntimeError: a bug", INTERNAL, str(os.getpid()))
-    return _Computed(rank, None, None, None, str(os.getpid()), warned=rank == 3)
+    limitations = ["warned during the simulated step (1 time): UserWarning: once"] if rank == 3 else []
+    return _Computed(rank, RankReport(rank, {"limitations": limitations}), None, None, str(os.getpid()))
 
 
 @pytest.mark.parametrize("execute", [None, fixture_trace], ids=["dry-run", "own-execute"])
@@ -250,7 +252,9 @@ def test_a_failed_or_warned_rank_retires_its_worker_and_an_own_execute_gets_a_pr
 
     monkeypatch.setattr(runner, "_START_METHOD", "fork")  # the worker keeps the patch below
     monkeypatch.setattr(runner, "_simulate", _pid_unless_rank_1)
-    outcomes = run_ranks(job(tmp_path, world_size=6), [0, 1, 2, 3, 4, 5], jobs=1, execute=execute)
+    outcomes = run_ranks(
+        job(tmp_path, world_size=6), [0, 1, 2, 3, 4, 5], jobs=1, execute=execute, reporters=()
+    )
     assert [o.error is not None for o in outcomes] == [False, True, False, False, False, False]
     pid = [o.traceback for o in outcomes]
     if (

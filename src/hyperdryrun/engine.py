@@ -26,7 +26,7 @@ from hyperdryrun.trace.gradless import gradless_parameters
 from hyperdryrun.trace.optimizer_state import describe, no_state_limitation, warm_up
 from hyperdryrun.trace.sites import recording_sites, resident_sites
 from hyperdryrun.trace.stacks import step_code
-from hyperdryrun.trace.step import StepTrace
+from hyperdryrun.trace.step import WARNED, StepTrace
 from hyperdryrun.trace.tensors import resident_tensors
 from hyperdryrun.trace.tracker import MemoryTracker
 from hyperdryrun.world import SimulatedWorld
@@ -371,10 +371,6 @@ def simulate_plan(plan: JobPlan, capture_stacks: bool = True) -> StepTrace:
             raise interrupt from None
         raise SimulationError(stages[-1], err) from err
     return trace
-
-
-WARNED = "warned during the simulated step"
-"""How a limitation of :func:`warnings_as_limitations` begins."""
 
 
 @contextlib.contextmanager

@@ -97,9 +97,6 @@ class _Computed:
     error: str | None = None
     kind: str | None = None
     traceback: str | None = None
-    warned: bool = False
-    """The step raised warnings (its report's "warned during the simulated step" limitations): torch logs some once
-    per process (``warning_once``), so a next rank in the same worker would miss them and its worker retires."""
 
 
 def error_kind(err: BaseException) -> str:
@@ -339,14 +336,18 @@ def _in_workers(
             for conn in wait(list(running)):
                 rank, proc = running[conn]
                 done = _receive(conn, proc, rank, metadata)
-                if (
-                    done.kind in _STOPPED
-                ):  # every worker, this one too, is killed below; nothing more is written
+                if done.kind in _STOPPED:  # every worker, this one too, is killed below; nothing more written
                     raise _STOPPED[done.kind]()
                 outcomes[rank] = _write(done, cfg.output_dir, reporters)
                 if on_rank_done is not None:
                     on_rank_done(outcomes[rank], len(outcomes), len(ranks))
-                if reuse and waiting and done.error is None and not done.warned and _give(conn, waiting[0]):
+                if (
+                    reuse
+                    and waiting
+                    and done.error is None
+                    and not _warned(outcomes[rank])
+                    and _give(conn, waiting[0])
+                ):
                     running[conn] = (waiting.pop(0), proc)  # the same worker runs the next rank
                 else:
                     _retire(conn, proc)
@@ -397,6 +398,14 @@ def _receive(conn: Any, proc: Any, rank: int, metadata: dict[str, Any]) -> _Comp
         return _died(rank, proc.exitcode, metadata)
 
 
+def _warned(outcome: RankOutcome) -> bool:
+    """Whether the rank's step raised warnings (its report's :data:`~hyperdryrun.trace.step.WARNED` limitations):
+    torch logs some once per process (``warning_once``), so a next rank in the same worker would lack them."""
+    from hyperdryrun.trace.step import WARNED
+
+    return any(line.startswith(WARNED) for line in outcome.report.get("limitations", ()))
+
+
 def _give(conn: Any, rank: int) -> bool:
     """Send a worker the next rank; False if it is gone."""
     try:
@@ -439,8 +448,8 @@ def _worker(
     the pipe. A rank after the first finds torch imported and its caches warm (the fake-tensor dispatch cache,
     DTensor's sharding propagation) and writes the bytes a fresh process writes (``tests/test_runner.py``,
     ``tests/test_determinism.py``): a simulation leaves the process's globals as it found them. But for torch's
-    once-per-process warnings: after a rank whose step warned (:attr:`_Computed.warned`), as after a failed rank,
-    the worker retires. A measured rank or a front door's own code (``execute``) gets a process of its own: a real
+    once-per-process warnings: after a rank whose step warned (:func:`_warned`), as after a failed rank, the parent
+    retires the worker. A measured rank or a front door's own code (``execute``) gets a process of its own: a real
     device's caching allocator keeps what an earlier rank reserved, and a user's code may keep state of its own."""
     from hyperdryrun.startup import import_torch_stack, owned_process
 
@@ -451,13 +460,9 @@ def _worker(
                 from hyperdryrun.config import build_config
 
                 import_torch_stack()
-                from hyperdryrun.engine import WARNED
-
                 one = build_config({**data, "world": {**data["world"], "rank": rank}})
                 done = _simulate(one, capture_stacks, execute, mode)
                 if done.result is not None:
-                    if done.result.trace is not None:
-                        done.warned = any(x.startswith(WARNED) for x in done.result.trace.limitations)
                     done.result.trace = None  # the parent writes from the report and the CSV
             except (BrokenPipeError, KeyboardInterrupt) as err:  # as in the parent's own process: 141, 130
                 done = _Computed(rank, None, f"rank {rank}: {type(err).__name__}", type(err).__name__)
@@ -468,7 +473,7 @@ def _worker(
                 done.traceback = _formatted(err)
             try:
                 conn.send(done)
-                rank = conn.recv() if execute is None and not done.warned else None
+                rank = conn.recv() if execute is None else None
             except (EOFError, OSError):
                 rank = None
             if rank is None:

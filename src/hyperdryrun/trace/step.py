@@ -32,6 +32,10 @@ class ModuleStats:
         self.calls = 0
 
 
+WARNED = "warned during the simulated step"
+"""How a limitation of ``engine.warnings_as_limitations`` begins (a warning raised inside the step)."""
+
+
 @dataclass
 class StepTrace:
     """Everything the reports need, as plain data (no reference into the tracing machinery)."""
